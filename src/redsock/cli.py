@@ -1,0 +1,41 @@
+"""The ``redsock`` command (also ``python -m redsock``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .errors import RedsockError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="redsock", description=__doc__)
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    from .bench import transport as bench_transport
+
+    bt = bsub.add_parser("transport", help="throughput and latency between two processes")
+    bench_transport.add_arguments(bt)
+    bt.set_defaults(func=bench_transport.run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except RedsockError as e:
+        print(f"redsock: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""Options of redsock: frozen dataclasses, read from ``REDSOCK_*`` variables.
+
+:func:`Config.from_env` is the only place in redsock that reads the
+environment; everything else receives a :class:`Config`.  Every field can also
+be given as a keyword argument, which wins over the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+MAX_NSOCKS = 16
+BALANCES = ("dynamic", "static")
+ALGOS = ("auto", "ring", "small", "server")
+FALLBACKS = ("none", "ring")
+
+
+@dataclass(frozen=True)
+class Config:
+    """All tunables; defaults are the measured ones (see README, "Options")."""
+
+    #: TCP data streams per connection (plus one control stream).
+    nsocks: int = 4
+    #: Slice size for messages on the data streams.
+    chunk_bytes: int = 512 * KiB
+    #: Messages up to this size go inline on the control stream from the caller's thread.
+    inline_bytes: int = 64 * KiB
+    #: How long a receiver busy-polls the control stream before it blocks.
+    spin_us: int = 100
+    #: Use MSG_ZEROCOPY for sends of at least this many bytes (0 = off).
+    zerocopy_min_bytes: int = 0
+    #: SO_BUSY_POLL on the control stream, in microseconds (0 = off).
+    busy_poll_us: int = 0
+    #: "dynamic": slices go to whichever stream has room; "static": even split (NCCL socket).
+    balance: str = "dynamic"
+    #: Slices a stream may hold unsent before it stops taking more (Fast Socket: 6).
+    queue_depth: int = 2
+    #: TCP_NOTSENT_LOWAT on data streams so queue occupancy follows real speed (0 = kernel default).
+    notsent_lowat: int = 256 * KiB
+    #: Deadline for an operation that makes no progress, and for connecting.
+    timeout_s: float = 120.0
+    #: Largest single message accepted from the network (validates header fields).
+    max_message_bytes: int = 64 * GiB
+    #: Address to bind listeners to, or the interface whose address to use.
+    bind_addr: str | None = None
+    ifname: str | None = None
+    #: All-reduce algorithm: auto, ring, small (latency-optimised) or server.
+    algo: str = "auto"
+    #: Reduction servers, "host:port" each.
+    servers: tuple[str, ...] = ()
+    #: Piece size used to cut all-reduces for the reduction servers.
+    piece_bytes: int = 1 * MiB
+    #: Sum contributions in rank order so results repeat bitwise from run to run.
+    deterministic: bool = False
+    #: What to do when a reduction server fails mid-operation: "none" (raise) or "ring".
+    server_fallback: str = "none"
+    #: Shared secret for the HMAC handshake (None = no authentication).
+    token: bytes | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        check(1 <= self.nsocks <= MAX_NSOCKS, f"nsocks must be 1..{MAX_NSOCKS}, got {self.nsocks}")
+        check(4 * KiB <= self.chunk_bytes <= 256 * MiB, f"chunk_bytes must be 4 KiB..256 MiB, got {self.chunk_bytes}")
+        check(0 <= self.inline_bytes <= 1 * MiB, f"inline_bytes must be 0..1 MiB, got {self.inline_bytes}")
+        check(self.spin_us >= 0, f"spin_us must be >= 0, got {self.spin_us}")
+        check(self.zerocopy_min_bytes >= 0, "zerocopy_min_bytes must be >= 0")
+        check(self.busy_poll_us >= 0, "busy_poll_us must be >= 0")
+        check(self.balance in BALANCES, f"balance must be one of {BALANCES}, got {self.balance!r}")
+        check(1 <= self.queue_depth <= 64, f"queue_depth must be 1..64, got {self.queue_depth}")
+        check(self.notsent_lowat >= 0, "notsent_lowat must be >= 0")
+        check(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        check(self.max_message_bytes > 0, "max_message_bytes must be > 0")
+        check(self.algo in ALGOS, f"algo must be one of {ALGOS}, got {self.algo!r}")
+        check(self.piece_bytes >= 4 * KiB, f"piece_bytes must be >= 4 KiB, got {self.piece_bytes}")
+        check(self.server_fallback in FALLBACKS, f"server_fallback must be one of {FALLBACKS}")
+        for s in self.servers:
+            parse_hostport(s)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
+        """Build a Config from ``REDSOCK_*`` variables, then apply keyword overrides."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name == "token":
+                continue
+            raw = env.get("REDSOCK_" + f.name.upper())
+            if raw is not None and raw != "":
+                values[f.name] = _parse(f.name, f.type, raw)
+        token = env.get("REDSOCK_TOKEN")
+        token_file = env.get("REDSOCK_TOKEN_FILE")
+        if token:
+            values["token"] = token.encode()
+        elif token_file:
+            values["token"] = read_token_file(token_file)
+        for k, v in overrides.items():
+            if k not in cls.__dataclass_fields__:
+                raise ConfigError(f"unknown option {k!r}")
+            if v is not None:
+                values[k] = tuple(v) if k == "servers" and not isinstance(v, str) else v
+        if isinstance(values.get("servers"), str):
+            values["servers"] = _parse("servers", "tuple", values["servers"])
+        if isinstance(values.get("token"), str):
+            values["token"] = values["token"].encode()
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+
+def read_token_file(path: str | os.PathLike) -> bytes:
+    try:
+        token = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(f"cannot read token file {path}: {e.strerror}") from e
+    if not token:
+        raise ConfigError(f"token file {path} is empty")
+    return token
+
+
+def parse_hostport(text: str, default_port: int | None = None) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)`` with a clear error."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep:
+        host, port = text.strip(), ""
+    host = host.strip("[]")
+    if not port and default_port is not None:
+        return host or "127.0.0.1", default_port
+    try:
+        p = int(port)
+    except ValueError:
+        raise ConfigError(f"bad address {text!r}: expected HOST:PORT") from None
+    if not host or not 0 < p < 65536:
+        raise ConfigError(f"bad address {text!r}: expected HOST:PORT with port 1..65535")
+    return host, p
+
+
+def _parse(name: str, typ: Any, raw: str) -> Any:
+    typ = str(typ)
+    var = "REDSOCK_" + name.upper()
+    try:
+        if "tuple" in typ:
+            return tuple(s.strip() for s in raw.split(",") if s.strip())
+        if "bool" in typ:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if "int" in typ and "float" not in typ:
+            return parse_size(raw)
+        if "float" in typ:
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ConfigError(f"{var}={raw!r} is not a valid {typ.split('|')[0].strip()}") from None
+
+
+_UNITS = {"": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB, "g": GiB, "gb": GiB, "gib": GiB}
+
+
+def parse_size(text: str) -> int:
+    """``"512K"``, ``"4MiB"``, ``"1048576"`` -> bytes (binary units)."""
+    t = text.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):].strip()
+    if unit not in _UNITS or not num:
+        raise ValueError(text)
+    value = float(num) * _UNITS[unit]
+    if value != int(value):
+        raise ValueError(text)
+    return int(value)

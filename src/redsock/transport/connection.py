@@ -1,0 +1,582 @@
+"""A Fast Socket connection: one control stream plus K data streams to one peer.
+
+* Messages up to the inline threshold travel header+payload in one ``sendmsg``
+  on the control stream, from the caller's thread.  Whoever *waits* for an
+  inline message reads the control stream itself (busy-polling for
+  ``spin_us`` before it blocks), so a small message costs no thread hop on
+  either side.
+* Larger messages are queued for the data streams; each stream has a sender
+  thread that pulls its next slice from the schedule (see :mod:`.schedule`)
+  and a receiver thread that reads slice headers and receives each payload
+  straight into the destination buffer at its offset.
+* Messages are matched by ``(tag, seq)``; a message that arrives before its
+  receive is posted is kept in an "unexpected" buffer and copied once.
+* Any failure aborts the whole connection: every pending operation, on both
+  sides, fails with a :class:`~redsock.errors.TransportError` naming the peer
+  and the operation, and every thread wakes up and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+import time
+from collections import defaultdict, deque
+from typing import Any
+
+import numpy as np
+
+from .. import wire
+from ..config import Config
+from ..errors import ConfigError, ProtocolError, RedsockError, Timeout, TransportError
+from . import zerocopy
+from .schedule import SendJob, make_schedule
+from .sockets import advance_parts, recv_exact, send_all, shutdown_quietly, translate_oserror
+
+log = logging.getLogger("redsock.transport")
+
+_PROGRESS_CHECK_S = 1.0  # how often a blocked waiter looks for progress on a large message
+
+
+def as_bytes(buf: Any, *, writable: bool) -> memoryview:
+    """A flat byte view of ``buf`` without copying; refuses what cannot be sent in place."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ConfigError("array is not C-contiguous; pass np.ascontiguousarray(a) (a copy) instead")
+        if writable and not buf.flags.writeable:
+            raise ConfigError("receive buffer is read-only")
+        return memoryview(buf.reshape(-1).view(np.uint8))
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise ConfigError(f"{type(buf).__name__} does not expose a buffer") from None
+    if not view.c_contiguous:
+        raise ConfigError("buffer is not C-contiguous")
+    if writable and view.readonly:
+        raise ConfigError("receive buffer is read-only")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class Handle:
+    """One outstanding send or receive.  ``wait()`` blocks, ``test()`` polls."""
+
+    __slots__ = ("conn", "op", "tag", "seq", "view", "nbytes", "got", "inline", "error", "_done", "_event")
+
+    def __init__(self, conn: "Connection", op: str, tag: int, seq: int, view: memoryview, inline: bool):
+        self.conn, self.op, self.tag, self.seq = conn, op, tag, seq
+        self.view, self.nbytes, self.inline = view, view.nbytes, inline
+        self.got = 0  # bytes moved so far (progress, for the no-progress deadline)
+        self.error: RedsockError | None = None
+        self._done = False
+        self._event = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def test(self) -> bool:
+        """True once complete; raises the operation's error if it failed."""
+        if self.error is not None:
+            raise self.error
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until complete.  Raises :class:`Timeout` if nothing moved for ``timeout``
+        seconds (default ``REDSOCK_TIMEOUT_S``) — and then aborts the connection,
+        because its stream state is no longer known — or the operation's error."""
+        if not self._done:
+            self.conn._wait(self, timeout)
+        if self.error is not None:
+            raise self.error
+
+    def _complete(self) -> None:
+        self._done = True
+        self._event.set()
+
+    def _fail(self, err: RedsockError) -> None:
+        if not self._done:
+            self.error = err
+            self._done = True
+            self._event.set()
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error else "done" if self._done else "pending"
+        return f"<Handle {self.op} {self.nbytes}B tag={self.tag} seq={self.seq} {state}>"
+
+
+class _Unexpected:
+    """A message that arrived before its receive was posted."""
+
+    __slots__ = ("buf", "got", "complete", "waiter")
+
+    def __init__(self, total: int):
+        self.buf = memoryview(np.empty(total, np.uint8))  # not zero-filled: every byte gets written
+        self.got = 0
+        self.complete = False
+        self.waiter: Handle | None = None
+
+
+class Connection:
+    """Tagged, any-size, any-number-outstanding messages to one peer.
+
+    Created by :func:`redsock.transport.connect` or a :class:`~redsock.transport.Listener`.
+    Thread-safe.  Use as a context manager or call :meth:`close`.
+    """
+
+    def __init__(self, ctrl: socket.socket, data: list[socket.socket], *, peer: str,
+                 config: Config, inline_bytes: int):
+        self.peer = peer
+        self.config = config
+        self.inline_bytes = inline_bytes
+        self.nstreams = len(data)
+        self._ctrl = ctrl
+        self._data = data
+        self._lock = threading.Lock()  # match tables, schedule, error state
+        self._send_cv = threading.Condition(self._lock)
+        self._tx_seq: defaultdict[int, int] = defaultdict(int)
+        self._rx_seq: defaultdict[int, int] = defaultdict(int)
+        self._posted: dict[tuple[int, int], Handle] = {}
+        self._unexpected: dict[tuple[int, int], _Unexpected] = {}
+        self._sends: set[Handle] = set()  # large sends not yet complete
+        self._schedule = make_schedule(config.balance, len(data), config.chunk_bytes)
+        self._error: RedsockError | None = None
+        self._closed = False
+        # Control stream, receive side: read by whichever waiter holds the lock.
+        self._ctrl_rx_lock = threading.Lock()
+        self._crx_hdr = bytearray(wire.CTRL_SIZE)
+        self._crx_filled = 0
+        self._crx_target: memoryview | None = None
+        self._crx_tfilled = 0
+        self._crx_owner: Handle | _Unexpected | None = None
+        self._crx_key = (0, 0)
+        self._crx_abort = False
+        self._ctrl_poll = select.poll()
+        self._ctrl_poll.register(ctrl.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+        self._spin_s = config.spin_us / 1e6
+        # Control stream, send side: direct from the caller unless a backlog exists.
+        self._ctrl_tx_lock = threading.Lock()
+        self._ctrl_tx_cv = threading.Condition(self._ctrl_tx_lock)
+        self._ctrl_backlog: deque[tuple[Handle | None, list]] = deque()
+        self._ctrl_tx_thread: threading.Thread | None = None
+        # Stats, for benchmarks and tests: slices and bytes sent per data stream.
+        self.slices_sent = [0] * len(data)
+        self.bytes_sent = [0] * len(data)
+        self._threads: list[threading.Thread] = []
+        for i in range(len(data)):
+            for fn, kind in ((self._send_loop, "tx"), (self._recv_loop, "rx")):
+                t = threading.Thread(target=fn, args=(i,), name=f"redsock-{kind}{i}-{peer}", daemon=True)
+                self._threads.append(t)
+                t.start()
+
+    # -- public API ---------------------------------------------------------
+
+    def isend(self, buf: Any, tag: int = 0) -> Handle:
+        """Start sending ``buf`` (not copied: keep it unchanged until the handle completes)."""
+        view = as_bytes(buf, writable=False)
+        n = view.nbytes
+        with self._lock:
+            self._check_open("send")
+            seq = self._tx_seq[tag]
+            self._tx_seq[tag] = seq + 1
+            if n > self.inline_bytes:
+                h = Handle(self, "send", tag, seq, view, inline=False)
+                self._sends.add(h)
+                self._schedule.add(SendJob(tag, seq, view, h))
+                self._send_cv.notify_all()
+                return h
+        h = Handle(self, "send", tag, seq, view, inline=True)
+        self._send_inline(h, [wire.encode_inline(tag, seq, n), view] if n else [wire.encode_inline(tag, seq, 0)])
+        return h
+
+    def irecv(self, buf: Any, tag: int = 0) -> Handle:
+        """Start receiving the next message with ``tag`` into ``buf`` (sizes must match)."""
+        view = as_bytes(buf, writable=True)
+        copy_from = None
+        with self._lock:
+            self._check_open("recv")
+            seq = self._rx_seq[tag]
+            self._rx_seq[tag] = seq + 1
+            key = (tag, seq)
+            h = Handle(self, "recv", tag, seq, view, inline=view.nbytes <= self.inline_bytes)
+            u = self._unexpected.get(key)
+            if u is None:
+                self._posted[key] = h
+                return h
+            if len(u.buf) != h.nbytes:
+                err = self._size_mismatch(h, len(u.buf))
+            elif u.complete:
+                del self._unexpected[key]
+                copy_from = u.buf
+                err = None
+            else:
+                u.waiter = h
+                return h
+        if err is not None:
+            self._abort(err)
+            raise err
+        view[:] = copy_from
+        h.got = h.nbytes
+        h._complete()
+        return h
+
+    def send(self, buf: Any, tag: int = 0, timeout: float | None = None) -> None:
+        self.isend(buf, tag).wait(timeout)
+
+    def recv(self, buf: Any, tag: int = 0, timeout: float | None = None) -> None:
+        self.irecv(buf, tag).wait(timeout)
+
+    @property
+    def error(self) -> RedsockError | None:
+        return self._error
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._error is not None
+
+    def close(self) -> None:
+        """Close every stream; pending operations fail.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._abort(TransportError(f"connection to {self.peer} was closed locally", peer=self.peer, op="close"),
+                    notify_peer=False)
+        me = threading.current_thread()
+        for t in self._threads:
+            if t is not me:
+                t.join(timeout=5)
+        if self._ctrl_tx_thread is not None and self._ctrl_tx_thread is not me:
+            self._ctrl_tx_thread.join(timeout=5)
+        for s in [self._ctrl, *self._data]:
+            s.close()
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Connection to {self.peer} streams={self.nstreams} {'closed' if self.closed else 'open'}>"
+
+    # -- failure ------------------------------------------------------------
+
+    def _check_open(self, op: str) -> None:
+        if self._error is not None:
+            raise TransportError(f"{op} with {self.peer}: connection is down ({self._error})",
+                                 peer=self.peer, op=op) from self._error
+
+    def _size_mismatch(self, h: Handle, got: int) -> ProtocolError:
+        return ProtocolError(
+            f"recv from {self.peer} (tag {h.tag}, message #{h.seq}): peer sent {got} bytes, "
+            f"this side expected {h.nbytes}", peer=self.peer, op="recv")
+
+    def _abort(self, err: RedsockError, notify_peer: bool = True) -> None:
+        """Fail the connection once: every pending operation gets ``err``."""
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = err
+            pending = [*self._posted.values(), *self._sends,
+                       *(u.waiter for u in self._unexpected.values() if u.waiter)]
+            self._posted.clear()
+            self._sends.clear()
+            self._unexpected.clear()
+            self._schedule.drain()
+            self._send_cv.notify_all()
+        with self._ctrl_tx_cv:
+            pending += [h for h, _ in self._ctrl_backlog if h is not None]
+            self._ctrl_backlog.clear()
+            self._ctrl_tx_cv.notify_all()
+        for h in pending:
+            h._fail(err)
+        if not self._closed:  # an idle peer going away is normal shutdown, not worth a warning
+            log.log(logging.WARNING if pending else logging.DEBUG, "connection to %s failed: %s", self.peer, err)
+        if notify_peer:  # best effort, so the peer can say why rather than "connection closed"
+            try:
+                self._ctrl.send(wire.encode_abort(str(err)), socket.MSG_DONTWAIT)
+            except OSError:
+                pass
+        for s in [self._ctrl, *self._data]:
+            shutdown_quietly(s)
+
+    def _io_failed(self, exc: BaseException, op: str) -> None:
+        if self._error is not None:
+            return
+        if isinstance(exc, (EOFError, ConnectionResetError, BrokenPipeError)) and not isinstance(exc, ProtocolError):
+            self._take_peer_reason()
+            if self._error is not None:
+                return
+        self._abort(exc if isinstance(exc, RedsockError) else translate_oserror(exc, self.peer, op))
+
+    def _take_peer_reason(self) -> None:
+        """The peer closed: if it said why (an ABORT record), fail with its reason."""
+        if self._ctrl_rx_lock.acquire(blocking=False):
+            try:
+                self._pump_ctrl()
+            except RedsockError as e:
+                if isinstance(e, TransportError) and e.op == "peer abort":
+                    self._abort(e, notify_peer=False)
+            except (OSError, EOFError):
+                pass
+            finally:
+                self._ctrl_rx_lock.release()
+
+    # -- waiting ------------------------------------------------------------
+
+    def _wait(self, h: Handle, timeout: float | None) -> None:
+        limit = self.config.timeout_s if timeout is None else timeout
+        if h.inline and h.op == "recv":
+            self._wait_inline(h, time.monotonic() + limit)
+        else:
+            deadline = time.monotonic() + limit
+            last = h.got
+            while not h._event.wait(min(_PROGRESS_CHECK_S, max(0.0, deadline - time.monotonic()))):
+                if h.got != last:  # moving: the deadline is for a stall, not for a long transfer
+                    last = h.got
+                    deadline = time.monotonic() + limit
+                elif time.monotonic() >= deadline:
+                    break
+        if not h._done:
+            err = Timeout(f"{h.op} of {h.nbytes} bytes (tag {h.tag}) with {self.peer}: no progress "
+                          f"for {limit:g}s (REDSOCK_TIMEOUT_S)", peer=self.peer, op=h.op)
+            self._abort(err)
+            h._fail(err)
+
+    def _wait_inline(self, h: Handle, deadline: float) -> None:
+        """Read the control stream ourselves until ``h`` is done: no thread hop."""
+        spin_until = time.perf_counter() + self._spin_s
+        while not h._done:
+            if not self._ctrl_rx_lock.acquire(blocking=False):
+                h._event.wait(0.0005)  # another waiter is reading; it completes us if ours comes
+                if time.monotonic() >= deadline:
+                    return
+                continue
+            try:
+                while not h._done:
+                    if self._pump_ctrl():
+                        spin_until = time.perf_counter() + self._spin_s
+                        continue
+                    if time.perf_counter() < spin_until:
+                        continue  # busy-poll: the reply is usually microseconds away
+                    now = time.monotonic()
+                    if now >= deadline:
+                        return
+                    self._ctrl_poll.poll(int(min(deadline - now, 0.05) * 1000) + 1)
+            except (OSError, EOFError, RedsockError) as e:
+                self._io_failed(e, "recv")
+            finally:
+                self._ctrl_rx_lock.release()
+
+    # -- control stream -----------------------------------------------------
+
+    def _send_inline(self, h: Handle, parts: list) -> None:
+        total = sum(len(p) for p in parts)
+        with self._ctrl_tx_lock:
+            sent = 0
+            if not self._ctrl_backlog:
+                try:
+                    sent = self._ctrl.sendmsg(parts, (), socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as e:
+                    err = translate_oserror(e, self.peer, "send")
+                    self._abort(err)
+                    raise err from e
+                if sent == total:
+                    h.got = h.nbytes
+                    h._complete()
+                    return
+            # The kernel buffer is full: a helper thread finishes the send, in order.
+            self._ctrl_backlog.append((h, advance_parts(parts, sent)))
+            if self._ctrl_tx_thread is None:
+                self._ctrl_tx_thread = threading.Thread(target=self._ctrl_send_loop, daemon=True,
+                                                        name=f"redsock-ctx-{self.peer}")
+                self._ctrl_tx_thread.start()
+            self._ctrl_tx_cv.notify()
+
+    def _ctrl_send_loop(self) -> None:
+        try:
+            while True:
+                with self._ctrl_tx_cv:
+                    while not self._ctrl_backlog:
+                        if self._error is not None:
+                            return
+                        self._ctrl_tx_cv.wait()
+                    h, parts = self._ctrl_backlog[0]  # stays queued until sent, so order holds
+                send_all(self._ctrl, parts)
+                with self._ctrl_tx_cv:
+                    if self._ctrl_backlog and self._ctrl_backlog[0][0] is h:
+                        self._ctrl_backlog.popleft()
+                if h is not None:
+                    h.got = h.nbytes
+                    h._complete()
+        except OSError as e:
+            self._io_failed(e, "send")
+
+    def _pump_ctrl(self) -> bool:
+        """Read whatever the control stream has, without blocking.  Caller holds the rx lock."""
+        sock = self._ctrl
+        progressed = False
+        while True:
+            if self._crx_target is None:
+                want = wire.CTRL_SIZE - self._crx_filled
+                try:
+                    n = sock.recv_into(memoryview(self._crx_hdr)[self._crx_filled:], want, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return progressed
+                if n == 0:
+                    raise EOFError("peer closed the control stream")
+                progressed = True
+                self._crx_filled += n
+                if n < want:
+                    continue
+                self._crx_filled = 0
+                self._start_ctrl_record()
+            else:
+                target = self._crx_target
+                want = len(target) - self._crx_tfilled
+                try:
+                    n = sock.recv_into(target[self._crx_tfilled:], want, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return progressed
+                if n == 0:
+                    raise EOFError("peer closed the control stream")
+                progressed = True
+                self._crx_tfilled += n
+                if n == want:
+                    self._finish_ctrl_record()
+
+    def _start_ctrl_record(self) -> None:
+        rec = wire.decode_ctrl(self._crx_hdr, max(self.inline_bytes, 0))
+        self._crx_abort = rec.type == wire.RecordType.ABORT
+        if self._crx_abort:
+            self._crx_owner = None
+            self._crx_target = memoryview(bytearray(rec.length))
+        else:
+            self._crx_key = (rec.tag, rec.seq)
+            owner, target = self._message_target(rec.tag, rec.seq, rec.length, 0, rec.length)
+            self._crx_owner, self._crx_target = owner, target
+        self._crx_tfilled = 0
+        if rec.length == 0:
+            self._finish_ctrl_record()
+
+    def _finish_ctrl_record(self) -> None:
+        target, owner = self._crx_target, self._crx_owner
+        self._crx_target = self._crx_owner = None
+        if self._crx_abort:
+            reason = bytes(target or b"").decode(errors="replace")
+            raise TransportError(f"{self.peer} aborted the connection: {reason}", peer=self.peer, op="peer abort")
+        self._delivered(self._crx_key, owner, len(target or b""))
+
+    # -- data streams -------------------------------------------------------
+
+    def _message_target(self, tag: int, seq: int, total: int, offset: int, length: int
+                        ) -> tuple[Handle | _Unexpected, memoryview]:
+        """Where bytes [offset, offset+length) of message (tag, seq) go."""
+        key = (tag, seq)
+        with self._lock:
+            h = self._posted.get(key)
+            if h is not None:
+                if h.nbytes != total:
+                    raise self._size_mismatch(h, total)
+                return h, h.view[offset:offset + length]
+            u = self._unexpected.get(key)
+            if u is None:
+                if total > self.config.max_message_bytes:
+                    raise ProtocolError(f"{self.peer} sent a {total}-byte message, above the limit")
+                u = self._unexpected[key] = _Unexpected(total)
+            elif len(u.buf) != total:
+                raise ProtocolError(f"{self.peer} changed the size of message {key} mid-way")
+            return u, u.buf[offset:offset + length]
+
+    def _delivered(self, key: tuple[int, int], owner: Handle | _Unexpected, n: int) -> None:
+        """``n`` more bytes of message ``key`` have landed in ``owner``."""
+        waiter = None
+        with self._lock:
+            owner.got += n
+            if isinstance(owner, Handle):
+                if owner.got >= owner.nbytes:
+                    self._posted.pop(key, None)
+                    owner._complete()
+                return
+            if owner.got < len(owner.buf):
+                return
+            owner.complete = True
+            if owner.waiter is not None:
+                waiter = owner.waiter
+                self._unexpected.pop(key, None)
+        if waiter is not None:  # the receive was posted mid-message: one copy, outside the lock
+            waiter.view[:] = owner.buf
+            waiter.got = waiter.nbytes
+            waiter._complete()
+
+    def _send_loop(self, idx: int) -> None:
+        sock = self._data[idx]
+        zc_min = self.config.zerocopy_min_bytes
+        zc = None
+        if zc_min and zerocopy.available():
+            try:
+                zc = zerocopy.ZeroCopySender(sock)
+            except OSError as e:
+                zerocopy.disable(f"SO_ZEROCOPY refused ({e.strerror})")
+        try:
+            while True:
+                with self._send_cv:
+                    item = self._schedule.next_slice(idx)
+                    while item is None:
+                        if self._error is not None:
+                            return
+                        self._send_cv.wait(0.001 if zc and zc.outstanding else None)
+                        if zc and zc.outstanding:
+                            break
+                        item = self._schedule.next_slice(idx)
+                if item is None:
+                    zc.reap(0.001)  # type: ignore[union-attr]
+                    continue
+                job, off, n = item.job, item.offset, item.length
+                parts = [wire.encode_slice(job.tag, job.seq, job.total, off, n), job.view[off:off + n]]
+                if zc is not None and n >= zc_min and zerocopy.available():
+                    try:
+                        zc.send(parts, lambda job=job, n=n: self._slice_sent(job, n))
+                    except OSError as e:
+                        if e.errno not in (105, 12):  # ENOBUFS/ENOMEM: out of pinned memory
+                            raise
+                        zerocopy.disable(f"zero-copy send failed ({e.strerror})")
+                        send_all(sock, parts)
+                        self._slice_sent(job, n)
+                else:
+                    send_all(sock, parts)
+                    self._slice_sent(job, n)
+                self.slices_sent[idx] += 1
+                self.bytes_sent[idx] += n
+        except (OSError, RedsockError) as e:
+            self._io_failed(e, "send")
+
+    def _slice_sent(self, job: SendJob, n: int) -> None:
+        h = job.handle
+        with self._lock:
+            job.done_bytes += n
+            h.got = job.done_bytes
+            if job.done_bytes < job.total:
+                return
+            self._sends.discard(h)
+        h._complete()
+
+    def _recv_loop(self, idx: int) -> None:
+        sock = self._data[idx]
+        hdr = bytearray(wire.SLICE_SIZE)
+        hview = memoryview(hdr)
+        limit = self.config.max_message_bytes
+        try:
+            while True:
+                if not recv_exact(sock, hview):
+                    raise EOFError("peer closed the connection")
+                rec = wire.decode_slice(hdr, limit)
+                owner, target = self._message_target(rec.tag, rec.seq, rec.total, rec.offset, rec.length)
+                if not recv_exact(sock, target):
+                    raise EOFError("peer closed the connection mid-slice")
+                self._delivered((rec.tag, rec.seq), owner, rec.length)
+        except (OSError, EOFError, RedsockError) as e:
+            self._io_failed(e, "recv")

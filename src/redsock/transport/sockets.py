@@ -1,0 +1,107 @@
+"""Socket plumbing: options set in one place, exact reads/writes, and the one
+boundary where ``OSError`` becomes a :class:`~redsock.errors.TransportError`."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+
+from ..config import Config
+from ..errors import Timeout, TransportError
+
+log = logging.getLogger("redsock.transport")
+
+# Not exported by every Python's socket module; values from <linux/socket.h>.
+SO_ZEROCOPY = getattr(socket, "SO_ZEROCOPY", 60)
+MSG_ZEROCOPY = getattr(socket, "MSG_ZEROCOPY", 0x4000000)
+SO_BUSY_POLL = getattr(socket, "SO_BUSY_POLL", 46)
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
+
+
+def tune(sock: socket.socket, config: Config, *, data: bool) -> None:
+    """Set every socket option redsock relies on, with the reason for each."""
+    # Small records (control, headers, latency-bound messages) must not wait for Nagle.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if data and config.notsent_lowat:
+        # Keep unsent bytes in user space: a stream only takes its next slice once the
+        # kernel has nearly drained the last one, so occupancy reflects real stream speed.
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, config.notsent_lowat)
+    if not data and config.busy_poll_us:
+        try:  # lets the kernel spin on the NIC queue for the latency-bound control stream
+            sock.setsockopt(socket.SOL_SOCKET, SO_BUSY_POLL, config.busy_poll_us)
+        except OSError as e:
+            log.warning("SO_BUSY_POLL unavailable (%s); continuing without it", e.strerror)
+
+
+def translate_oserror(exc: BaseException, peer: str, op: str) -> TransportError:
+    """The single place where socket errors become redsock errors."""
+    if isinstance(exc, TransportError):
+        return exc
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        err: TransportError = Timeout(f"{op} with {peer}: timed out", peer=peer, op=op)
+    elif isinstance(exc, ConnectionRefusedError):
+        err = TransportError(f"{op} with {peer}: connection refused (is it listening?)", peer=peer, op=op)
+    elif isinstance(exc, (ConnectionResetError, BrokenPipeError, EOFError)) or (
+        isinstance(exc, OSError) and exc.errno in (errno.ECONNABORTED, errno.ENOTCONN, errno.EPIPE)
+    ):
+        err = TransportError(f"{op} with {peer}: peer closed the connection ({exc})", peer=peer, op=op)
+    elif isinstance(exc, OSError):
+        err = TransportError(f"{op} with {peer}: {exc.strerror or exc}", peer=peer, op=op)
+    else:
+        err = TransportError(f"{op} with {peer}: {exc}", peer=peer, op=op)
+    err.__cause__ = exc
+    return err
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` completely.  False on a clean EOF before the first byte;
+    an EOF in the middle raises :class:`EOFError`."""
+    n = len(view)
+    got = sock.recv_into(view, n, socket.MSG_WAITALL)
+    if got == n:
+        return True
+    if got == 0:
+        if n == 0:
+            return True
+        return False
+    while got < n:  # MSG_WAITALL returns early on signals and some socket events
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        if k == 0:
+            raise EOFError(f"peer closed the connection after {got} of {n} bytes")
+        got += k
+    return True
+
+
+def send_all(sock: socket.socket, parts: list, flags: int = 0) -> int:
+    """``sendmsg`` until every part is out; returns the number of calls made."""
+    calls = 0
+    total = sum(len(p) for p in parts)
+    sent = sock.sendmsg(parts, (), flags)
+    calls += 1
+    while sent < total:
+        parts = advance_parts(parts, sent)
+        total -= sent
+        sent = sock.sendmsg(parts, (), flags)
+        calls += 1
+    return calls
+
+
+def advance_parts(parts: list, n: int) -> list:
+    """Drop the first ``n`` bytes of a list of buffers, without copying."""
+    out = []
+    for p in parts:
+        if n >= len(p):
+            n -= len(p)
+            continue
+        out.append(memoryview(p)[n:] if n else p)
+        n = 0
+    return out
+
+
+def shutdown_quietly(sock: socket.socket) -> None:
+    """Wake every thread blocked on ``sock`` (shutdown works across threads; close does not)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

@@ -1,0 +1,251 @@
+"""The redsock wire format: fixed-layout records, encoded and decoded with no I/O.
+
+Every stream starts with a handshake (:class:`Hello` from the connecting side,
+:class:`Challenge` back, :class:`Proof` forward, :class:`Verdict` back).  Then:
+
+* the **control stream** carries :data:`CTRL` records (24 bytes): ``INLINE``
+  messages with their payload right behind the header, and ``ABORT`` notices;
+* each **data stream** carries :data:`SLICE` records (40 bytes), each followed
+  by ``length`` payload bytes that belong at ``offset`` of message
+  ``(tag, seq)`` of ``total`` bytes.  Slices are self-describing, so they may
+  arrive on any stream in any order.
+
+Messages are matched by ``(tag, seq)``: ``seq`` counts the messages sent with
+that tag on the connection, on both sides, so no ordering between streams is
+needed.  Decoders validate every field before it is used and raise
+:class:`~redsock.errors.ProtocolError`; nothing here allocates more than the
+fixed header sizes.
+"""
+
+from __future__ import annotations
+
+import hmac
+import hashlib
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+from .errors import AuthError, ProtocolError
+
+MAGIC = b"RSCK"
+VERSION = 1
+NONCE_BYTES = 16
+MAC_BYTES = 32
+NAME_BYTES = 32
+MAX_NSTREAMS = 16
+MAX_INLINE = 1 << 20
+
+
+class StreamKind(IntEnum):
+    CONTROL = 0
+    DATA = 1
+
+
+class Status(IntEnum):
+    """Why a listener refused a stream (sent in :class:`Verdict`)."""
+
+    OK = 0
+    BAD_VERSION = 1
+    BAD_AUTH = 2
+    UNKNOWN_CONNECTION = 3
+    BAD_REQUEST = 4
+
+
+class RecordType(IntEnum):
+    INLINE = 1
+    ABORT = 2
+    SLICE = 16
+
+
+# --- handshake ---------------------------------------------------------------
+
+_HELLO = struct.Struct(f"<4sHBBHHQ{NONCE_BYTES}s{NAME_BYTES}sI")
+_CHALLENGE = struct.Struct(f"<4sHBx{NONCE_BYTES}s{MAC_BYTES}sI")
+_PROOF = struct.Struct(f"<4s{MAC_BYTES}s")
+_VERDICT = struct.Struct("<4sBxH")
+HELLO_SIZE = _HELLO.size
+CHALLENGE_SIZE = _CHALLENGE.size
+PROOF_SIZE = _PROOF.size
+VERDICT_SIZE = _VERDICT.size
+
+
+@dataclass(frozen=True)
+class Hello:
+    """First bytes of every stream, from the connecting side."""
+
+    kind: StreamKind
+    index: int  # data stream index (0 for the control stream)
+    nstreams: int  # data streams of this connection
+    conn_id: int  # random; groups a connection's streams at the listener
+    nonce: bytes
+    name: str  # who is connecting, for error messages ("rank 3")
+    inline_bytes: int = 0  # largest inline message this side sends; the connection uses the smaller
+    version: int = VERSION
+
+    def encode(self) -> bytes:
+        name = self.name.encode()[:NAME_BYTES]
+        return _HELLO.pack(MAGIC, self.version, self.kind, 0, self.index, self.nstreams,
+                           self.conn_id, self.nonce, name, self.inline_bytes)
+
+
+def decode_hello(data: bytes) -> Hello:
+    """Validate and decode a :class:`Hello`.  A wrong version raises with ``.status``."""
+    if len(data) != HELLO_SIZE:
+        raise ProtocolError(f"hello is {len(data)} bytes, expected {HELLO_SIZE}")
+    magic, version, kind, _flags, index, nstreams, conn_id, nonce, name, inline = _HELLO.unpack(data)
+    if magic != MAGIC:
+        raise _refusal(f"not a redsock peer (magic {magic!r})", Status.BAD_REQUEST)
+    if version != VERSION:
+        raise _refusal(f"protocol version {version}, this side speaks {VERSION}", Status.BAD_VERSION)
+    if kind not in (StreamKind.CONTROL, StreamKind.DATA):
+        raise _refusal(f"unknown stream kind {kind}", Status.BAD_REQUEST)
+    if not 1 <= nstreams <= MAX_NSTREAMS:
+        raise _refusal(f"{nstreams} data streams (allowed 1..{MAX_NSTREAMS})", Status.BAD_REQUEST)
+    if kind == StreamKind.DATA and index >= nstreams:
+        raise _refusal(f"data stream index {index} of {nstreams}", Status.BAD_REQUEST)
+    try:
+        text = name.rstrip(b"\0").decode()
+    except UnicodeDecodeError:
+        raise _refusal("peer name is not UTF-8", Status.BAD_REQUEST) from None
+    if inline > MAX_INLINE:
+        raise _refusal(f"inline threshold {inline} above {MAX_INLINE}", Status.BAD_REQUEST)
+    return Hello(StreamKind(kind), index, nstreams, conn_id, nonce, text, inline, version)
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """Listener's answer to a Hello: its nonce and its proof of the shared secret."""
+
+    nonce: bytes
+    mac: bytes
+    inline_bytes: int = 0
+    version: int = VERSION
+
+    def encode(self) -> bytes:
+        return _CHALLENGE.pack(MAGIC, self.version, 0, self.nonce, self.mac, self.inline_bytes)
+
+
+def decode_challenge(data: bytes) -> Challenge:
+    if len(data) != CHALLENGE_SIZE:
+        raise ProtocolError(f"challenge is {len(data)} bytes, expected {CHALLENGE_SIZE}")
+    magic, version, _flags, nonce, mac, inline = _CHALLENGE.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"not a redsock listener (magic {magic!r})")
+    if version != VERSION:
+        raise ProtocolError(f"listener speaks protocol version {version}, this side {VERSION}")
+    if inline > MAX_INLINE:
+        raise ProtocolError(f"listener's inline threshold {inline} above {MAX_INLINE}")
+    return Challenge(nonce, mac, inline, version)
+
+
+def encode_proof(mac: bytes) -> bytes:
+    return _PROOF.pack(MAGIC, mac)
+
+
+def decode_proof(data: bytes) -> bytes:
+    if len(data) != PROOF_SIZE:
+        raise ProtocolError(f"proof is {len(data)} bytes, expected {PROOF_SIZE}")
+    magic, mac = _PROOF.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad proof record (magic {magic!r})")
+    return mac
+
+
+def encode_verdict(status: Status) -> bytes:
+    return _VERDICT.pack(MAGIC, status, 0)
+
+
+def decode_verdict(data: bytes) -> Status:
+    if len(data) != VERDICT_SIZE:
+        raise ProtocolError(f"verdict is {len(data)} bytes, expected {VERDICT_SIZE}")
+    magic, status, _r = _VERDICT.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad verdict record (magic {magic!r})")
+    try:
+        return Status(status)
+    except ValueError:
+        raise ProtocolError(f"unknown verdict status {status}") from None
+
+
+def handshake_mac(token: bytes | None, role: bytes, hello: Hello, server_nonce: bytes) -> bytes:
+    """HMAC-SHA256 over both nonces and the stream identity; zeros when no token is set.
+
+    ``role`` differs per direction so a proof cannot be reflected back.
+    """
+    if token is None:
+        return bytes(MAC_BYTES)
+    msg = role + hello.encode() + server_nonce
+    return hmac.new(token, msg, hashlib.sha256).digest()
+
+
+def check_mac(expected: bytes, got: bytes, who: str) -> None:
+    if not hmac.compare_digest(expected, got):
+        raise AuthError(f"{who} failed the shared-secret check (REDSOCK_TOKEN mismatch?)")
+
+
+def _refusal(msg: str, status: Status) -> ProtocolError:
+    err = ProtocolError(msg)
+    err.status = status  # type: ignore[attr-defined]
+    return err
+
+
+# --- records -----------------------------------------------------------------
+
+CTRL = struct.Struct("<BBHIQQ")  # type, flags, reserved, length, tag, seq
+SLICE = struct.Struct("<BBHIQQQQ")  # type, flags, reserved, length, tag, seq, total, offset
+CTRL_SIZE = CTRL.size
+SLICE_SIZE = SLICE.size
+
+
+@dataclass(frozen=True)
+class CtrlRecord:
+    type: RecordType
+    length: int
+    tag: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class SliceRecord:
+    length: int
+    tag: int
+    seq: int
+    total: int
+    offset: int
+
+
+def encode_inline(tag: int, seq: int, length: int) -> bytes:
+    return CTRL.pack(RecordType.INLINE, 0, 0, length, tag, seq)
+
+
+def encode_abort(reason: str) -> bytes:
+    text = reason.encode()[:4096]
+    return CTRL.pack(RecordType.ABORT, 0, 0, len(text), 0, 0) + text
+
+
+def decode_ctrl(data: bytes | memoryview, max_inline: int) -> CtrlRecord:
+    typ, _flags, _r, length, tag, seq = CTRL.unpack(data)
+    if typ == RecordType.INLINE:
+        if length > max_inline:
+            raise ProtocolError(f"inline message of {length} bytes exceeds the limit {max_inline}")
+    elif typ == RecordType.ABORT:
+        if length > 4096:
+            raise ProtocolError(f"abort reason of {length} bytes")
+    else:
+        raise ProtocolError(f"unknown control record type {typ}")
+    return CtrlRecord(RecordType(typ), length, tag, seq)
+
+
+def encode_slice(tag: int, seq: int, total: int, offset: int, length: int) -> bytes:
+    return SLICE.pack(RecordType.SLICE, 0, 0, length, tag, seq, total, offset)
+
+
+def decode_slice(data: bytes | memoryview, max_message: int) -> SliceRecord:
+    typ, _flags, _r, length, tag, seq, total, offset = SLICE.unpack(data)
+    if typ != RecordType.SLICE:
+        raise ProtocolError(f"expected a slice record, got type {typ}")
+    if total > max_message:
+        raise ProtocolError(f"message of {total} bytes exceeds the limit {max_message}")
+    if length == 0 or offset + length > total:
+        raise ProtocolError(f"slice [{offset}, {offset + length}) outside a message of {total} bytes")
+    return SliceRecord(length, tag, seq, total, offset)

@@ -1,0 +1,276 @@
+"""Fast Socket transport: real sockets on loopback, real processes for failures."""
+
+import random
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import spawn_peer, wait_line
+from peer_programs import pattern
+from redsock import wire
+from redsock.config import Config
+from redsock.errors import AuthError, ConfigError, ProtocolError, Timeout, TransportError
+from redsock.transport import Listener, connect
+
+
+def roundtrip(a, b, data, tag=0):
+    out = np.empty_like(data)
+    h = b.irecv(out, tag)
+    a.send(data, tag)
+    h.wait(20)
+    return out
+
+
+@pytest.mark.parametrize("nsocks, balance", [(4, "dynamic"), (1, "dynamic"), (3, "static")])
+def test_random_sizes_both_ways(make_pair, nsocks, balance):
+    client, server = make_pair(nsocks=nsocks, balance=balance, chunk_bytes=128 * 1024)
+    rng = random.Random(nsocks)
+    sizes = [0, 1, 7, client.inline_bytes, client.inline_bytes + 1, 64 << 20] + [
+        int(2 ** rng.uniform(0, 26)) for _ in range(14)]
+    for i, n in enumerate(sizes):
+        data = pattern(n, i)
+        a, b = (client, server) if i % 2 == 0 else (server, client)
+        assert np.array_equal(roundtrip(a, b, data, tag=i), data), f"size {n}"
+
+
+def test_buffer_kinds_and_offsets(make_pair):
+    client, server = make_pair()
+    src = bytes(range(256)) * 1000
+    dst = bytearray(len(src))
+    h = server.irecv(memoryview(dst), 1)
+    client.send(src, 1)
+    h.wait(10)
+    assert dst == bytearray(src)
+    big = np.arange(300_000, dtype=np.float64)  # 2.4 MB, spans several slices
+    out = np.zeros((600, 500), dtype=np.float64)
+    h = server.irecv(out, 2)
+    client.send(big.reshape(600, 500), 2)
+    h.wait(10)
+    assert np.array_equal(out.ravel(), big)
+
+
+def test_unexpected_messages_are_delivered_in_order(make_pair):
+    """Messages sent before the receive is posted, several with the same tag."""
+    client, server = make_pair()
+    msgs = [pattern(n, n) for n in (10, 5 << 20, 100, 3 << 20)]
+    for m in msgs:
+        client.isend(m, tag=9)
+    time.sleep(0.3)  # let everything arrive unexpected
+    for m in msgs:
+        out = np.empty_like(m)
+        server.recv(out, tag=9, timeout=10)
+        assert np.array_equal(out, m)
+
+
+def test_many_concurrent_tagged_messages_both_ways(make_pair):
+    client, server = make_pair(chunk_bytes=64 * 1024)
+    rng = random.Random(1)
+    plan = [(rng.randrange(8), int(2 ** rng.uniform(0, 21))) for _ in range(120)]
+    errors = []
+
+    def run(me, other, seed):
+        try:
+            sends = []
+            recvs = []
+            for i, (tag, n) in enumerate(plan):
+                sends.append(me.isend(pattern(n, seed + i), tag))
+            order = list(range(len(plan)))
+            random.Random(seed).shuffle(order)  # post receives in a different order per tag group
+            by_tag = {}
+            for i in order:
+                by_tag.setdefault(plan[i][0], []).append(i)
+            for tag, idxs in by_tag.items():
+                for i in sorted(idxs):  # same-tag messages match in send order
+                    buf = np.empty(plan[i][1], np.uint8)
+                    recvs.append((i, buf, me.irecv(buf, tag)))
+            for i, buf, h in recvs:
+                h.wait(20)
+                assert np.array_equal(buf, pattern(plan[i][1], other + i)), f"message {i}"
+            for h in sends:
+                h.wait(20)
+        except Exception as e:  # relayed to the main thread
+            errors.append(e)
+
+    t1 = threading.Thread(target=run, args=(client, 1000, 2000))
+    t2 = threading.Thread(target=run, args=(server, 2000, 1000))
+    t1.start(); t2.start()
+    t1.join(60); t2.join(60)
+    assert not t1.is_alive() and not t2.is_alive()
+    assert not errors, errors
+
+
+def test_dynamic_balancing_spreads_slices(make_pair):
+    client, server = make_pair(nsocks=4, chunk_bytes=128 * 1024)
+    data = pattern(32 << 20, 3)
+    assert np.array_equal(roundtrip(client, server, data), data)
+    assert sum(client.slices_sent) == 256
+    assert all(n > 0 for n in client.slices_sent)
+
+
+def test_zerocopy_sends_complete_after_release(make_pair):
+    client, server = make_pair(zerocopy_min_bytes=64 * 1024, chunk_bytes=256 * 1024)
+    for i, n in enumerate([100, 1 << 20, 17 << 20]):
+        data = pattern(n, i)
+        assert np.array_equal(roundtrip(client, server, data, tag=i), data)
+
+
+def test_size_mismatch_is_a_clear_error_on_both_sides(make_pair):
+    client, server = make_pair()
+    h = server.irecv(np.empty(1 << 20, np.uint8), 1)
+    client.isend(np.zeros(2 << 20, np.uint8), 1)
+    with pytest.raises(ProtocolError, match="sent 2097152 bytes, this side expected 1048576"):
+        h.wait(10)
+    with pytest.raises(TransportError):
+        client.recv(np.empty(4, np.uint8), 2, timeout=10)
+
+
+def test_bad_buffers_are_refused(make_pair):
+    client, server = make_pair()
+    with pytest.raises(ConfigError, match="C-contiguous"):
+        client.isend(np.zeros((4, 4))[:, 1], 0)
+    with pytest.raises(ConfigError, match="read-only"):
+        server.irecv(b"immutable", 0)
+    with pytest.raises(ConfigError, match="buffer"):
+        client.isend(12345, 0)
+
+
+def test_close_is_idempotent_and_fails_pending(make_pair):
+    client, server = make_pair()
+    h = server.irecv(np.empty(8, np.uint8), 0)
+    server.close()
+    server.close()
+    with pytest.raises(TransportError, match="closed locally"):
+        h.wait(1)
+    with pytest.raises(TransportError):
+        server.isend(b"x", 0)
+    # The other side learns it too, and does not hang.
+    with pytest.raises(TransportError):
+        client.recv(np.empty(8, np.uint8), 0, timeout=10)
+
+
+def test_wait_deadline_raises_timeout_and_aborts(make_pair):
+    client, server = make_pair()
+    t0 = time.monotonic()
+    with pytest.raises(Timeout, match="no progress"):
+        server.recv(np.empty(8, np.uint8), 0, timeout=0.5)
+    assert time.monotonic() - t0 < 3
+    with pytest.raises(TransportError):  # the peer sees the abort too
+        client.recv(np.empty(8, np.uint8), 0, timeout=10)
+
+
+# -- handshakes -------------------------------------------------------------------
+
+def _raw(addr, payload):
+    s = socket.create_connection(addr, timeout=5)
+    s.sendall(payload)
+    try:
+        return s.recv(1024)
+    except OSError:
+        return b""
+    finally:
+        s.close()
+
+
+def test_listener_rejects_garbage_and_wrong_version_and_keeps_serving():
+    cfg = Config(timeout_s=10)
+    with Listener(config=cfg) as listener:
+        _raw(listener.address, b"GET / HTTP/1.1\r\n\r\n" + bytes(100))
+        bad = wire.Hello(wire.StreamKind.CONTROL, 0, 4, 1, bytes(16), "old", version=2).encode()
+        reply = _raw(listener.address, bad)
+        assert reply[:4] == b"RSCK"  # answered in its own version so the peer can say why
+        deadline = time.monotonic() + 5
+        while listener.rejected < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert listener.rejected == 2
+        with connect(listener.address, config=cfg) as c, listener.accept(5) as s:
+            assert np.array_equal(roundtrip(c, s, pattern(1000, 1)), pattern(1000, 1))
+
+
+def test_wrong_version_is_reported_by_the_connecting_side(monkeypatch):
+    with Listener(config=Config(timeout_s=10)) as listener:
+        monkeypatch.setattr(wire, "VERSION", 2)
+        with pytest.raises(ProtocolError, match="version 1, this side 2"):
+            connect(listener.address, config=Config(timeout_s=10))
+
+
+def test_token_mismatch_is_refused():
+    with Listener(config=Config(timeout_s=10, token=b"right")) as listener:
+        with pytest.raises(AuthError):
+            connect(listener.address, config=Config(timeout_s=10, token=b"wrong"))
+        with pytest.raises(AuthError):
+            connect(listener.address, config=Config(timeout_s=10))  # no token at all
+        with connect(listener.address, config=Config(timeout_s=10, token=b"right")) as c, listener.accept(5) as s:
+            assert np.array_equal(roundtrip(c, s, pattern(10, 1)), pattern(10, 1))
+
+
+def test_connect_refused_names_the_peer():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(TransportError, match=f"127.0.0.1:{port}.*refused"):
+        connect(("127.0.0.1", port), config=Config(timeout_s=5))
+
+
+# -- real processes dying or stalling ----------------------------------------------
+
+def _accept_peer(listener, *args):
+    proc = spawn_peer(*args)
+    conn = listener.accept(timeout=20)
+    wait_line(proc, "ready")
+    return proc, conn
+
+
+def test_sender_killed_mid_message_fails_the_receiver():
+    with Listener(config=Config(timeout_s=20)) as listener:
+        proc, conn = _accept_peer(listener, "sender", *listener.address, 1 << 30)
+        try:
+            buf = np.empty(1 << 30, np.uint8)
+            h = conn.irecv(buf, tag=5)
+            while h.got == 0 and not h.done:
+                time.sleep(0.001)
+            proc.kill()
+            t0 = time.monotonic()
+            with pytest.raises(TransportError, match="sender@"):
+                h.wait()
+            assert time.monotonic() - t0 < 5
+        finally:
+            proc.kill()
+            proc.wait()
+            conn.close()
+
+
+def test_receiver_killed_mid_message_fails_the_sender():
+    with Listener(config=Config(timeout_s=20)) as listener:
+        proc, conn = _accept_peer(listener, "receiver", *listener.address, 1 << 30)
+        try:
+            h = conn.isend(np.ones(1 << 30, np.uint8), tag=6)
+            while h.got == 0 and not h.done:
+                time.sleep(0.001)
+            proc.kill()
+            t0 = time.monotonic()
+            with pytest.raises(TransportError, match="receiver@"):
+                h.wait()
+            assert time.monotonic() - t0 < 5
+        finally:
+            proc.kill()
+            proc.wait()
+            conn.close()
+
+
+def test_stalled_peer_is_detected_by_the_timeout():
+    with Listener(config=Config(timeout_s=20)) as listener:
+        proc, conn = _accept_peer(listener, "receiver", *listener.address, 256 << 20)
+        try:
+            proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(Timeout, match="no progress for 2s"):
+                conn.send(np.ones(256 << 20, np.uint8), tag=6, timeout=2)
+            assert time.monotonic() - t0 < 6
+        finally:
+            proc.kill()
+            proc.wait()
+            conn.close()

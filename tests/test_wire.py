@@ -1,0 +1,110 @@
+"""The wire format, byte by byte, with no sockets."""
+
+import struct
+
+import pytest
+
+from redsock import wire
+from redsock.errors import AuthError, ProtocolError
+
+
+def hello(**kw):
+    base = dict(kind=wire.StreamKind.DATA, index=2, nstreams=4, conn_id=0x1122334455667788,
+                nonce=bytes(range(16)), name="rank 3", inline_bytes=65536)
+    base.update(kw)
+    return wire.Hello(**base)
+
+
+def test_hello_layout_is_fixed_and_little_endian():
+    b = hello().encode()
+    assert len(b) == wire.HELLO_SIZE == 72
+    assert b[:4] == b"RSCK"
+    assert struct.unpack_from("<H", b, 4)[0] == wire.VERSION
+    assert b[6] == wire.StreamKind.DATA
+    assert struct.unpack_from("<HHQ", b, 8) == (2, 4, 0x1122334455667788)
+    assert b[20:36] == bytes(range(16))
+    assert b[36:42] == b"rank 3" and b[42:68] == bytes(26)
+    assert struct.unpack_from("<I", b, 68)[0] == 65536
+
+
+def test_hello_round_trip():
+    h = hello()
+    assert wire.decode_hello(h.encode()) == h
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda b: b"XXXX" + b[4:], "not a redsock peer"),
+    (lambda b: b[:4] + struct.pack("<H", 99) + b[6:], "protocol version 99"),
+    (lambda b: b[:6] + b"\x07" + b[7:], "unknown stream kind"),
+    (lambda b: b[:10] + struct.pack("<H", 0) + b[12:], "data streams"),
+    (lambda b: b[:10] + struct.pack("<H", 17) + b[12:], "data streams"),
+    (lambda b: b[:8] + struct.pack("<H", 4) + b[10:], "index 4 of 4"),
+    (lambda b: b[:36] + b"\xff\xfe" + b[38:], "UTF-8"),
+    (lambda b: b[:68] + struct.pack("<I", (1 << 20) + 1), "inline threshold"),
+    (lambda b: b[:-1], "expected 72"),
+])
+def test_hello_rejects(mutate, message):
+    with pytest.raises(ProtocolError, match=message):
+        wire.decode_hello(mutate(hello().encode()))
+
+
+def test_wrong_version_carries_status():
+    b = hello(version=2).encode()
+    with pytest.raises(ProtocolError) as e:
+        wire.decode_hello(b)
+    assert e.value.status == wire.Status.BAD_VERSION
+
+
+def test_challenge_proof_verdict_round_trip():
+    c = wire.Challenge(bytes(16), bytes(range(32)), 4096)
+    assert len(c.encode()) == wire.CHALLENGE_SIZE
+    assert wire.decode_challenge(c.encode()) == c
+    assert wire.decode_proof(wire.encode_proof(b"m" * 32)) == b"m" * 32
+    for s in wire.Status:
+        assert wire.decode_verdict(wire.encode_verdict(s)) == s
+    with pytest.raises(ProtocolError, match="unknown verdict"):
+        wire.decode_verdict(b"RSCK\x09\x00\x00\x00")
+    with pytest.raises(ProtocolError):
+        wire.decode_challenge(b"RSCX" + c.encode()[4:])
+
+
+def test_mac_is_zero_without_token_and_role_bound_with_one():
+    h = hello()
+    assert wire.handshake_mac(None, b"server", h, bytes(16)) == bytes(32)
+    a = wire.handshake_mac(b"secret", b"server", h, bytes(16))
+    b = wire.handshake_mac(b"secret", b"client", h, bytes(16))
+    assert a != b and len(a) == 32  # a proof cannot be reflected back
+    assert wire.handshake_mac(b"other", b"server", h, bytes(16)) != a
+    wire.check_mac(a, a, "x")
+    with pytest.raises(AuthError):
+        wire.check_mac(a, b, "x")
+
+
+def test_ctrl_record_layout():
+    b = wire.encode_inline(tag=7, seq=3, length=8)
+    assert len(b) == wire.CTRL_SIZE == 24
+    assert b == struct.pack("<BBHIQQ", 1, 0, 0, 8, 7, 3)
+    rec = wire.decode_ctrl(b, max_inline=8)
+    assert (rec.type, rec.length, rec.tag, rec.seq) == (wire.RecordType.INLINE, 8, 7, 3)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        wire.decode_ctrl(b, max_inline=7)
+    with pytest.raises(ProtocolError, match="unknown control record"):
+        wire.decode_ctrl(b"\x09" + b[1:], 8)
+    a = wire.encode_abort("boom")
+    assert wire.decode_ctrl(a[:24], 0).type == wire.RecordType.ABORT and a[24:] == b"boom"
+
+
+def test_slice_record_layout_and_bounds():
+    b = wire.encode_slice(tag=1, seq=2, total=100, offset=60, length=40)
+    assert len(b) == wire.SLICE_SIZE == 40
+    assert b == struct.pack("<BBHIQQQQ", 16, 0, 0, 40, 1, 2, 100, 60)
+    rec = wire.decode_slice(b, max_message=100)
+    assert (rec.length, rec.tag, rec.seq, rec.total, rec.offset) == (40, 1, 2, 100, 60)
+    with pytest.raises(ProtocolError, match="outside"):
+        wire.decode_slice(wire.encode_slice(1, 2, 100, 61, 40), 100)
+    with pytest.raises(ProtocolError, match="outside"):
+        wire.decode_slice(wire.encode_slice(1, 2, 100, 0, 0), 100)
+    with pytest.raises(ProtocolError, match="limit"):
+        wire.decode_slice(b, max_message=99)
+    with pytest.raises(ProtocolError, match="expected a slice"):
+        wire.decode_slice(b"\x01" + b[1:], 100)

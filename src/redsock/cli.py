@@ -21,6 +21,16 @@ def build_parser() -> argparse.ArgumentParser:
     bt = bsub.add_parser("transport", help="throughput and latency between two processes")
     bench_transport.add_arguments(bt)
     bt.set_defaults(func=bench_transport.run)
+
+    from .bench import allreduce as bench_allreduce
+
+    ba = bsub.add_parser("allreduce", help="nccl-tests-style all-reduce sweep, side by side with gloo")
+    bench_allreduce.add_arguments(ba)
+    ba.set_defaults(func=bench_allreduce.run)
+
+    from .testbed.cli import add_parser as add_testbed_parser
+
+    add_testbed_parser(sub)
     return p
 
 

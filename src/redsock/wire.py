@@ -191,8 +191,8 @@ def _refusal(msg: str, status: Status) -> ProtocolError:
 
 # --- records -----------------------------------------------------------------
 
-CTRL = struct.Struct("<BBHIQQ")  # type, flags, reserved, length, tag, seq
-SLICE = struct.Struct("<BBHIQQQQ")  # type, flags, reserved, length, tag, seq, total, offset
+CTRL = struct.Struct("<BBHIQQ")  # type, flags, check, length, tag, seq
+SLICE = struct.Struct("<BBHIQQQQ")  # type, flags, check, length, tag, seq, total, offset
 CTRL_SIZE = CTRL.size
 SLICE_SIZE = SLICE.size
 
@@ -203,6 +203,7 @@ class CtrlRecord:
     length: int
     tag: int
     seq: int
+    check: int = 0  # 16 bits the sender and receiver must agree on (collective signature)
 
 
 @dataclass(frozen=True)
@@ -212,10 +213,11 @@ class SliceRecord:
     seq: int
     total: int
     offset: int
+    check: int = 0
 
 
-def encode_inline(tag: int, seq: int, length: int) -> bytes:
-    return CTRL.pack(RecordType.INLINE, 0, 0, length, tag, seq)
+def encode_inline(tag: int, seq: int, length: int, check: int = 0) -> bytes:
+    return CTRL.pack(RecordType.INLINE, 0, check, length, tag, seq)
 
 
 def encode_abort(reason: str) -> bytes:
@@ -224,7 +226,7 @@ def encode_abort(reason: str) -> bytes:
 
 
 def decode_ctrl(data: bytes | memoryview, max_inline: int) -> CtrlRecord:
-    typ, _flags, _r, length, tag, seq = CTRL.unpack(data)
+    typ, _flags, check, length, tag, seq = CTRL.unpack(data)
     if typ == RecordType.INLINE:
         if length > max_inline:
             raise ProtocolError(f"inline message of {length} bytes exceeds the limit {max_inline}")
@@ -233,19 +235,19 @@ def decode_ctrl(data: bytes | memoryview, max_inline: int) -> CtrlRecord:
             raise ProtocolError(f"abort reason of {length} bytes")
     else:
         raise ProtocolError(f"unknown control record type {typ}")
-    return CtrlRecord(RecordType(typ), length, tag, seq)
+    return CtrlRecord(RecordType(typ), length, tag, seq, check)
 
 
-def encode_slice(tag: int, seq: int, total: int, offset: int, length: int) -> bytes:
-    return SLICE.pack(RecordType.SLICE, 0, 0, length, tag, seq, total, offset)
+def encode_slice(tag: int, seq: int, total: int, offset: int, length: int, check: int = 0) -> bytes:
+    return SLICE.pack(RecordType.SLICE, 0, check, length, tag, seq, total, offset)
 
 
 def decode_slice(data: bytes | memoryview, max_message: int) -> SliceRecord:
-    typ, _flags, _r, length, tag, seq, total, offset = SLICE.unpack(data)
+    typ, _flags, check, length, tag, seq, total, offset = SLICE.unpack(data)
     if typ != RecordType.SLICE:
         raise ProtocolError(f"expected a slice record, got type {typ}")
     if total > max_message:
         raise ProtocolError(f"message of {total} bytes exceeds the limit {max_message}")
     if length == 0 or offset + length > total:
         raise ProtocolError(f"slice [{offset}, {offset + length}) outside a message of {total} bytes")
-    return SliceRecord(length, tag, seq, total, offset)
+    return SliceRecord(length, tag, seq, total, offset, check)

@@ -62,10 +62,11 @@ def as_bytes(buf: Any, *, writable: bool) -> memoryview:
 class Handle:
     """One outstanding send or receive.  ``wait()`` blocks, ``test()`` polls."""
 
-    __slots__ = ("conn", "op", "tag", "seq", "view", "nbytes", "got", "inline", "error", "_done", "_event")
+    __slots__ = ("conn", "op", "tag", "seq", "check", "view", "nbytes", "got", "inline", "error", "_done", "_event")
 
-    def __init__(self, conn: "Connection", op: str, tag: int, seq: int, view: memoryview, inline: bool):
-        self.conn, self.op, self.tag, self.seq = conn, op, tag, seq
+    def __init__(self, conn: "Connection", op: str, tag: int, seq: int, view: memoryview, inline: bool,
+                 check: int = 0):
+        self.conn, self.op, self.tag, self.seq, self.check = conn, op, tag, seq, check
         self.view, self.nbytes, self.inline = view, view.nbytes, inline
         self.got = 0  # bytes moved so far (progress, for the no-progress deadline)
         self.error: RedsockError | None = None
@@ -109,10 +110,11 @@ class Handle:
 class _Unexpected:
     """A message that arrived before its receive was posted."""
 
-    __slots__ = ("buf", "got", "complete", "waiter")
+    __slots__ = ("buf", "check", "got", "complete", "waiter")
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, check: int):
         self.buf = memoryview(np.empty(total, np.uint8))  # not zero-filled: every byte gets written
+        self.check = check
         self.got = 0
         self.complete = False
         self.waiter: Handle | None = None
@@ -172,8 +174,11 @@ class Connection:
 
     # -- public API ---------------------------------------------------------
 
-    def isend(self, buf: Any, tag: int = 0) -> Handle:
-        """Start sending ``buf`` (not copied: keep it unchanged until the handle completes)."""
+    def isend(self, buf: Any, tag: int = 0, check: int = 0) -> Handle:
+        """Start sending ``buf`` (not copied: keep it unchanged until the handle completes).
+
+        ``check`` (16 bits) must equal the receiver's: collectives put a signature of
+        the call there so ranks that disagree get a clear error, not a wrong result."""
         view = as_bytes(buf, writable=False)
         n = view.nbytes
         with self._lock:
@@ -181,17 +186,18 @@ class Connection:
             seq = self._tx_seq[tag]
             self._tx_seq[tag] = seq + 1
             if n > self.inline_bytes:
-                h = Handle(self, "send", tag, seq, view, inline=False)
+                h = Handle(self, "send", tag, seq, view, inline=False, check=check)
                 self._sends.add(h)
-                self._schedule.add(SendJob(tag, seq, view, h))
+                self._schedule.add(SendJob(tag, seq, view, h, check=check))
                 self._send_cv.notify_all()
                 return h
-        h = Handle(self, "send", tag, seq, view, inline=True)
-        self._send_inline(h, [wire.encode_inline(tag, seq, n), view] if n else [wire.encode_inline(tag, seq, 0)])
+        h = Handle(self, "send", tag, seq, view, inline=True, check=check)
+        hdr = wire.encode_inline(tag, seq, n, check)
+        self._send_inline(h, [hdr, view] if n else [hdr])
         return h
 
-    def irecv(self, buf: Any, tag: int = 0) -> Handle:
-        """Start receiving the next message with ``tag`` into ``buf`` (sizes must match)."""
+    def irecv(self, buf: Any, tag: int = 0, check: int = 0) -> Handle:
+        """Start receiving the next message with ``tag`` into ``buf`` (sizes and ``check`` must match)."""
         view = as_bytes(buf, writable=True)
         copy_from = None
         with self._lock:
@@ -199,13 +205,13 @@ class Connection:
             seq = self._rx_seq[tag]
             self._rx_seq[tag] = seq + 1
             key = (tag, seq)
-            h = Handle(self, "recv", tag, seq, view, inline=view.nbytes <= self.inline_bytes)
+            h = Handle(self, "recv", tag, seq, view, inline=view.nbytes <= self.inline_bytes, check=check)
             u = self._unexpected.get(key)
             if u is None:
                 self._posted[key] = h
                 return h
-            if len(u.buf) != h.nbytes:
-                err = self._size_mismatch(h, len(u.buf))
+            if len(u.buf) != h.nbytes or u.check != check:
+                err = self._mismatch(h, len(u.buf), u.check)
             elif u.complete:
                 del self._unexpected[key]
                 copy_from = u.buf
@@ -221,11 +227,15 @@ class Connection:
         h._complete()
         return h
 
-    def send(self, buf: Any, tag: int = 0, timeout: float | None = None) -> None:
-        self.isend(buf, tag).wait(timeout)
+    def send(self, buf: Any, tag: int = 0, timeout: float | None = None, check: int = 0) -> None:
+        self.isend(buf, tag, check).wait(timeout)
 
-    def recv(self, buf: Any, tag: int = 0, timeout: float | None = None) -> None:
-        self.irecv(buf, tag).wait(timeout)
+    def recv(self, buf: Any, tag: int = 0, timeout: float | None = None, check: int = 0) -> None:
+        self.irecv(buf, tag, check).wait(timeout)
+
+    def abort(self, reason: str) -> None:
+        """Fail the connection now, telling the peer ``reason``."""
+        self._abort(TransportError(reason, peer=self.peer, op="abort"))
 
     @property
     def error(self) -> RedsockError | None:
@@ -267,10 +277,13 @@ class Connection:
             raise TransportError(f"{op} with {self.peer}: connection is down ({self._error})",
                                  peer=self.peer, op=op) from self._error
 
-    def _size_mismatch(self, h: Handle, got: int) -> ProtocolError:
-        return ProtocolError(
-            f"recv from {self.peer} (tag {h.tag}, message #{h.seq}): peer sent {got} bytes, "
-            f"this side expected {h.nbytes}", peer=self.peer, op="recv")
+    def _mismatch(self, h: Handle, got: int, check: int) -> ProtocolError:
+        if got != h.nbytes:
+            what = f"peer sent {got} bytes, this side expected {h.nbytes}"
+        else:
+            what = f"peer's call signature {check:#06x} differs from this side's {h.check:#06x}"
+        return ProtocolError(f"recv from {self.peer} (tag {h.tag}, message #{h.seq}): {what}",
+                             peer=self.peer, op="recv")
 
     def _abort(self, err: RedsockError, notify_peer: bool = True) -> None:
         """Fail the connection once: every pending operation gets ``err``."""
@@ -456,7 +469,7 @@ class Connection:
             self._crx_target = memoryview(bytearray(rec.length))
         else:
             self._crx_key = (rec.tag, rec.seq)
-            owner, target = self._message_target(rec.tag, rec.seq, rec.length, 0, rec.length)
+            owner, target = self._message_target(rec.tag, rec.seq, rec.length, 0, rec.length, rec.check)
             self._crx_owner, self._crx_target = owner, target
         self._crx_tfilled = 0
         if rec.length == 0:
@@ -472,22 +485,22 @@ class Connection:
 
     # -- data streams -------------------------------------------------------
 
-    def _message_target(self, tag: int, seq: int, total: int, offset: int, length: int
+    def _message_target(self, tag: int, seq: int, total: int, offset: int, length: int, check: int
                         ) -> tuple[Handle | _Unexpected, memoryview]:
         """Where bytes [offset, offset+length) of message (tag, seq) go."""
         key = (tag, seq)
         with self._lock:
             h = self._posted.get(key)
             if h is not None:
-                if h.nbytes != total:
-                    raise self._size_mismatch(h, total)
+                if h.nbytes != total or h.check != check:
+                    raise self._mismatch(h, total, check)
                 return h, h.view[offset:offset + length]
             u = self._unexpected.get(key)
             if u is None:
                 if total > self.config.max_message_bytes:
                     raise ProtocolError(f"{self.peer} sent a {total}-byte message, above the limit")
-                u = self._unexpected[key] = _Unexpected(total)
-            elif len(u.buf) != total:
+                u = self._unexpected[key] = _Unexpected(total, check)
+            elif len(u.buf) != total or u.check != check:
                 raise ProtocolError(f"{self.peer} changed the size of message {key} mid-way")
             return u, u.buf[offset:offset + length]
 
@@ -536,7 +549,7 @@ class Connection:
                     zc.reap(0.001)  # type: ignore[union-attr]
                     continue
                 job, off, n = item.job, item.offset, item.length
-                parts = [wire.encode_slice(job.tag, job.seq, job.total, off, n), job.view[off:off + n]]
+                parts = [wire.encode_slice(job.tag, job.seq, job.total, off, n, job.check), job.view[off:off + n]]
                 if zc is not None and n >= zc_min and zerocopy.available():
                     try:
                         zc.send(parts, lambda job=job, n=n: self._slice_sent(job, n))
@@ -574,7 +587,7 @@ class Connection:
                 if not recv_exact(sock, hview):
                     raise EOFError("peer closed the connection")
                 rec = wire.decode_slice(hdr, limit)
-                owner, target = self._message_target(rec.tag, rec.seq, rec.total, rec.offset, rec.length)
+                owner, target = self._message_target(rec.tag, rec.seq, rec.total, rec.offset, rec.length, rec.check)
                 if not recv_exact(sock, target):
                     raise EOFError("peer closed the connection mid-slice")
                 self._delivered((rec.tag, rec.seq), owner, rec.length)

@@ -29,6 +29,7 @@ class SendJob:
     seq: int
     view: memoryview
     handle: Any = None  # completed by the connection once every slice is out
+    check: int = 0
     next_offset: int = 0
     done_bytes: int = 0
 

@@ -48,7 +48,9 @@ class ZeroCopySender:
         self.sock = sock
         sock.setsockopt(socket.SOL_SOCKET, SO_ZEROCOPY, 1)
         self._next = 0  # number the kernel gives the next zero-copy sendmsg
-        self._pending: deque[tuple[int, Callable[[], None]]] = deque()  # (last number, callback)
+        # (last number, callback, buffers): the buffers stay referenced until the kernel releases
+        # them, or Python could reuse a freed header's memory while the kernel still reads it.
+        self._pending: deque[tuple[int, Callable[[], None], list]] = deque()
         self._released = -1
         self.copied = 0  # completions where the kernel fell back to copying (e.g. loopback)
         self._poller = select.poll()
@@ -59,6 +61,7 @@ class ZeroCopySender:
         return len(self._pending)
 
     def send(self, parts: list, on_release: Callable[[], None]) -> None:
+        keep = parts
         total = sum(len(p) for p in parts)
         sent = 0
         while True:
@@ -68,7 +71,7 @@ class ZeroCopySender:
             if sent >= total:
                 break
             parts = advance_parts(parts, n)
-        self._pending.append((self._next - 1, on_release))
+        self._pending.append((self._next - 1, on_release, keep))
         self.reap(0)
 
     def reap(self, timeout_s: float) -> None:

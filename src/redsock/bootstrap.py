@@ -1,0 +1,170 @@
+"""Rendezvous: find the other ranks through a key-value store and connect to them.
+
+The store is the one torchrun already runs (``torch.distributed.TCPStore`` at
+``MASTER_ADDR:MASTER_PORT``), or any object with ``set(key, value)`` and a
+blocking ``get(key)``.  Each rank publishes the address of its Listener; a
+connection between two ranks is opened lazily, the first time either needs
+it, always by the lower rank — both ends of any exchange need the connection,
+so the lower one always comes asking and no rank waits for nobody.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Protocol
+
+from .config import Config
+from .errors import ConfigError, PeerFailure, Timeout, TransportError
+from .transport import Connection, Listener, connect
+
+_generation = 0  # communicators created by this process; every rank creates them in the same order
+_gen_lock = threading.Lock()
+
+
+class Store(Protocol):
+    def set(self, key: str, value: Any) -> None: ...
+    def get(self, key: str) -> bytes: ...
+
+
+def store_from_env(rank: int, world_size: int, timeout_s: float, env: dict[str, str] | None = None) -> Any:
+    """Connect to the TCPStore named by ``MASTER_ADDR``/``MASTER_PORT`` (rank 0 hosts it,
+    unless torchrun's agent already does)."""
+    env = dict(os.environ if env is None else env)
+    try:
+        host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    except (KeyError, ValueError):
+        raise ConfigError("MASTER_ADDR and MASTER_PORT must be set (torchrun sets them)") from None
+    try:
+        from torch.distributed import TCPStore
+    except ImportError:
+        raise ConfigError("bootstrapping from the environment needs torch (pip install 'redsock[torch]'), "
+                          "or pass store= to redsock.init()") from None
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    try:
+        return TCPStore(host, port, world_size, is_master=(rank == 0 and not agent),
+                        timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    except Exception as e:  # torch raises RuntimeError/DistStoreError
+        raise TransportError(f"cannot reach the store at {host}:{port}: {e}", peer=f"{host}:{port}",
+                             op="bootstrap") from e
+
+
+def local_address(config: Config, toward: str | None) -> str:
+    """The address to listen on and advertise: REDSOCK_BIND_ADDR, REDSOCK_IFNAME's, or the
+    one the kernel would use to reach ``toward`` (a UDP connect sends nothing)."""
+    if config.bind_addr:
+        return config.bind_addr
+    if config.ifname:
+        return interface_address(config.ifname)
+    if toward:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((toward, 9))
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    return "127.0.0.1"
+
+
+def interface_address(ifname: str) -> str:
+    SIOCGIFADDR = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", ifname.encode()[:15]))
+        except OSError as e:
+            raise ConfigError(f"REDSOCK_IFNAME={ifname}: no IPv4 address ({e.strerror})") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+class PeerTable:
+    """Connections of one rank to the others, opened on first use."""
+
+    def __init__(self, rank: int, world_size: int, store: Any, config: Config, *, group: str = "",
+                 advertise_toward: str | None = None):
+        global _generation
+        self.rank, self.world_size, self.config = rank, world_size, config
+        with _gen_lock:
+            _generation += 1
+            gen = _generation
+        self.prefix = f"redsock/{group}/{gen}/"
+        self.store = store
+        self._conns: dict[int, Connection] = {}
+        self._cv = threading.Condition()
+        self._closed = False
+        host = local_address(config, advertise_toward)
+        self.listener = Listener(host, 0, config=config, on_connection=self._accepted)
+        store.set(self.prefix + f"addr/{rank}", f"{host}:{self.listener.address[1]}")
+
+    def name(self, rank: int) -> str:
+        return f"{self.prefix}rank{rank}"
+
+    def _accepted(self, conn: Connection) -> None:
+        peer_name = conn.peer.split("@", 1)[0]
+        prefix = f"{self.prefix}rank"
+        if not peer_name.startswith(prefix):
+            conn.close()  # a stranger, or a rank of another communicator generation
+            return
+        try:
+            peer = int(peer_name[len(prefix):])
+        except ValueError:
+            conn.close()
+            return
+        conn.peer = f"rank {peer} ({conn.peer.split('@')[-1]})"
+        with self._cv:
+            if self._closed or peer in self._conns or not 0 <= peer < self.rank:
+                conn.close()
+                return
+            self._conns[peer] = conn
+            self._cv.notify_all()
+
+    def get(self, peer: int) -> Connection:
+        """The connection to ``peer``, opening (or waiting for) it on first use."""
+        conn = self._conns.get(peer)
+        if conn is not None:
+            return conn
+        if peer == self.rank or not 0 <= peer < self.world_size:
+            raise ConfigError(f"rank {self.rank}: no peer rank {peer} in a world of {self.world_size}")
+        if peer > self.rank:
+            addr = self._lookup(peer)
+            host, _, port = addr.rpartition(":")
+            conn = connect((host, int(port)), config=self.config, name=self.name(self.rank),
+                           peer_name=f"rank {peer} ({addr})", retry_s=self.config.timeout_s)
+            with self._cv:
+                self._conns[peer] = conn
+            return conn
+        deadline = time.monotonic() + self.config.timeout_s
+        with self._cv:
+            while peer not in self._conns:
+                left = deadline - time.monotonic()
+                if self._closed or left <= 0:
+                    raise PeerFailure(f"rank {self.rank}: rank {peer} never connected "
+                                      f"(in {self.config.timeout_s:g}s)", ranks=(peer,))
+                self._cv.wait(min(left, 1.0))
+            return self._conns[peer]
+
+    def _lookup(self, peer: int) -> str:
+        try:
+            value = self.store.get(self.prefix + f"addr/{peer}")
+        except Exception as e:
+            raise PeerFailure(f"rank {self.rank}: rank {peer} never published its address: {e}",
+                              ranks=(peer,)) from e
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    def connections(self) -> dict[int, Connection]:
+        with self._cv:
+            return dict(self._conns)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            conns = list(self._conns.values())
+            self._conns.clear()
+            self._cv.notify_all()
+        self.listener.close()
+        for c in conns:
+            c.close()

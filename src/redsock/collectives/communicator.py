@@ -1,0 +1,276 @@
+"""The Communicator: collectives on numpy arrays over Fast Socket connections."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .. import ops
+from ..bootstrap import PeerTable
+from ..config import Config, KiB
+from ..errors import ConfigError, PeerFailure, RedsockError, TransportError
+from . import ring, small
+from .context import CallContext
+
+log = logging.getLogger("redsock.collectives")
+
+# Below this many bytes `auto` uses recursive doubling, above it the ring (measured:
+# README "Tuning"; 4 ranks on loopback cross over between 64 KiB and 256 KiB).
+SMALL_MAX_BYTES = 128 * KiB
+
+_COLLECTIVE_TAG = 1 << 62  # tag spaces: collectives vs user point-to-point
+_P2P_TAG = 1 << 61
+_FAILED_RE = re.compile(r"\[failed ranks: ([0-9, ]+)\]")
+
+Algorithm = Callable[[CallContext, np.ndarray, ops.ReduceOp], None]
+ALLREDUCE_ALGORITHMS: dict[str, Algorithm] = {"ring": ring.all_reduce, "small": small.all_reduce}
+
+
+class Work:
+    """Handle of an ``async_op=True`` collective (a thin wrapper over a Future)."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done; re-raises the collective's error (e.g. :class:`PeerFailure`)."""
+        return self._future.result(timeout)
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> Future:
+        return self._future
+
+
+class Communicator:
+    """Collectives among ``world_size`` ranks.  Create with :func:`redsock.init`.
+
+    All ranks must call the same collectives in the same order with matching
+    sizes and dtypes; a mismatch raises :class:`ConfigError`/:class:`PeerFailure`
+    rather than producing a wrong result.  After a :class:`PeerFailure` the
+    communicator is unusable (like NCCL's): create a new one.
+    """
+
+    def __init__(self, rank: int, world_size: int, store: Any, config: Config | None = None, *,
+                 group: str = "", advertise_toward: str | None = None):
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} outside a world of {world_size}")
+        self.rank, self.world_size = rank, world_size
+        self.config = config or Config.from_env()
+        self.peers = PeerTable(rank, world_size, store, self.config, group=group,
+                               advertise_toward=advertise_toward)
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self._failure: PeerFailure | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # -- public collectives ---------------------------------------------------
+
+    def all_reduce(self, array: np.ndarray, op: Any = "sum", algorithm: str | None = None,
+                   async_op: bool = False) -> Work | None:
+        """Reduce ``array`` across ranks, in place.  ``algorithm``: ``ring``, ``small``,
+        or None/``auto`` (by size).  Returns a :class:`Work` when ``async_op``."""
+        x = _check_array(array, "all_reduce", writable=True)
+        rop = ops.ReduceOp.parse(op)
+        algo = self.choose_algorithm(x.nbytes, algorithm)
+        run = ALLREDUCE_ALGORITHMS[algo]
+        return self._run("all_reduce", (x.dtype, x.size, rop, algo),
+                         lambda ctx: run(ctx, x, rop) if self.world_size > 1 else _solo(x, rop), async_op)
+
+    def reduce_scatter(self, input: np.ndarray, output: np.ndarray, op: Any = "sum",
+                       async_op: bool = False) -> Work | None:
+        """``output`` (count elements) = the reduction of every rank's ``input`` (world × count),
+        segment ``rank``."""
+        x = _check_array(input, "reduce_scatter input", writable=False)
+        out = _check_array(output, "reduce_scatter output", writable=True)
+        _same_dtype(x, out, "reduce_scatter")
+        if x.size != out.size * self.world_size:
+            raise ConfigError(f"reduce_scatter: input has {x.size} elements, expected world_size × output "
+                              f"= {self.world_size} × {out.size}")
+        rop = ops.ReduceOp.parse(op)
+
+        def go(ctx: CallContext) -> None:
+            if self.world_size == 1:
+                ops.finalize(ops.init_acc(x).reshape(out.shape), rop, 1, out)
+            else:
+                ring.reduce_scatter(ctx, x, out, rop)
+
+        return self._run("reduce_scatter", (x.dtype, out.size, rop), go, async_op)
+
+    def all_gather(self, input: np.ndarray, output: np.ndarray, async_op: bool = False) -> Work | None:
+        """``output`` (world × count) = every rank's ``input`` (count), in rank order."""
+        x = _check_array(input, "all_gather input", writable=False)
+        out = _check_array(output, "all_gather output", writable=True)
+        _same_dtype(x, out, "all_gather")
+        if out.size != x.size * self.world_size:
+            raise ConfigError(f"all_gather: output has {out.size} elements, expected world_size × input "
+                              f"= {self.world_size} × {x.size}")
+
+        def go(ctx: CallContext) -> None:
+            if self.world_size == 1:
+                out.reshape(-1)[:] = x.reshape(-1)
+            else:
+                ring.all_gather(ctx, x, out)
+
+        return self._run("all_gather", (x.dtype, x.size), go, async_op)
+
+    def broadcast(self, array: np.ndarray, root: int = 0, async_op: bool = False) -> Work | None:
+        """Copy ``array`` of rank ``root`` into ``array`` of every rank."""
+        x = _check_array(array, "broadcast", writable=True)
+        self._check_rank(root, "broadcast root")
+        return self._run("broadcast", (x.dtype, x.size, root),
+                         lambda ctx: small.broadcast(ctx, x, root) if self.world_size > 1 else None, async_op)
+
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+        token = np.zeros(1, np.uint8)
+        self._run("barrier", (), lambda ctx: small.all_reduce(ctx, token, ops.ReduceOp.SUM)
+                  if self.world_size > 1 else None, False)
+
+    def send(self, array: np.ndarray, dst: int, tag: int = 0) -> None:
+        """Send ``array`` to rank ``dst`` (matched by ``tag``, in order)."""
+        x = _check_array(array, "send", writable=False)
+        self._p2p(dst, "send", lambda conn: conn.send(x, _P2P_TAG | _user_tag(tag), timeout=self.config.timeout_s))
+
+    def recv(self, array: np.ndarray, src: int, tag: int = 0) -> None:
+        """Receive the next message from rank ``src`` with ``tag`` into ``array`` (sizes must match)."""
+        x = _check_array(array, "recv", writable=True)
+        self._p2p(src, "recv", lambda conn: conn.recv(x, _P2P_TAG | _user_tag(tag), timeout=self.config.timeout_s))
+
+    def close(self) -> None:
+        """Close every connection.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self.peers.close()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def choose_algorithm(self, nbytes: int, algorithm: str | None) -> str:
+        algo = algorithm or self.config.algo
+        if algo == "auto":
+            return "small" if nbytes <= SMALL_MAX_BYTES else "ring"
+        if algo not in ALLREDUCE_ALGORITHMS:
+            raise ConfigError(f"unknown all-reduce algorithm {algo!r}; choose from auto, "
+                              + ", ".join(ALLREDUCE_ALGORITHMS))
+        return algo
+
+    # -- machinery ------------------------------------------------------------------
+
+    def _run(self, name: str, signature: tuple, body: Callable[[CallContext], None], async_op: bool
+             ) -> Work | None:
+        self._check_usable()
+        with self._seq_lock:  # every rank numbers its calls the same way: the tag is the call number
+            seq = self._seq
+            self._seq += 1
+        check = zlib.crc32(repr((name, *[str(s) for s in signature])).encode()) & 0xFFFF
+        ctx = CallContext(self.peers, self.rank, self.world_size, _COLLECTIVE_TAG | seq, check,
+                          self.config.timeout_s)
+
+        def call() -> None:
+            try:
+                body(ctx)
+            except RedsockError as e:
+                raise self._failed(name, seq, e) from e
+
+        if not async_op:
+            call()
+            return None
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"redsock-r{self.rank}")
+        return Work(self._executor.submit(call))
+
+    def _p2p(self, peer: int, what: str, io: Callable[[Any], None]) -> None:
+        self._check_usable()
+        self._check_rank(peer, what)
+        if peer == self.rank:
+            raise ConfigError(f"rank {self.rank}: {what} to itself")
+        try:
+            io(self.peers.get(peer))
+        except RedsockError as e:
+            raise self._failed(what, None, e) from e
+
+    def _failed(self, name: str, seq: int | None, err: RedsockError) -> RedsockError:
+        """Turn a transport failure into a PeerFailure naming the failed rank(s), and tell
+        every connected rank, so ranks not adjacent to the failure stop waiting too."""
+        if isinstance(err, ConfigError) or (isinstance(err, PeerFailure) and err is self._failure):
+            return err
+        ranks = _failed_ranks(err, self.peers)
+        call = f"{name} #{seq}" if seq is not None else name
+        failure = PeerFailure(f"rank {self.rank}: {call} failed: rank(s) {', '.join(map(str, ranks)) or '?'} "
+                              f"failed: {err}", ranks=tuple(ranks))
+        if self._failure is None:
+            self._failure = failure
+            reason = f"[failed ranks: {', '.join(map(str, ranks))}] rank {self.rank} gives up: {err}"
+            for conn in self.peers.connections().values():
+                conn.abort(reason)
+        return failure
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ConfigError("communicator is closed")
+        if self._failure is not None:
+            raise PeerFailure(f"communicator unusable after an earlier failure: {self._failure}",
+                              ranks=self._failure.ranks)
+
+    def _check_rank(self, r: int, what: str) -> None:
+        if not isinstance(r, (int, np.integer)) or not 0 <= r < self.world_size:
+            raise ConfigError(f"{what} {r!r} is not a rank of a world of {self.world_size}")
+
+
+def _failed_ranks(err: RedsockError, peers: PeerTable) -> list[int]:
+    if isinstance(err, PeerFailure):
+        return list(err.ranks)
+    m = _FAILED_RE.search(str(err))
+    if m:  # another rank already diagnosed it and told us
+        return sorted({int(v) for v in m.group(1).split(",") if v.strip()})
+    if isinstance(err, TransportError) and err.peer:
+        for r, conn in peers.connections().items():
+            if conn.peer == err.peer:
+                return [r]
+        m = re.match(r"rank (\d+)", err.peer)
+        if m:
+            return [int(m.group(1))]
+    return []
+
+
+def _check_array(a: Any, what: str, *, writable: bool) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise ConfigError(f"{what}: expected a numpy array, got {type(a).__name__}")
+    ops.check_dtype(a.dtype)
+    if not a.flags.c_contiguous:
+        raise ConfigError(f"{what}: array is not C-contiguous (use np.ascontiguousarray, then copy back)")
+    if writable and not a.flags.writeable:
+        raise ConfigError(f"{what}: array is read-only")
+    return a
+
+
+def _same_dtype(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    if a.dtype != b.dtype:
+        raise ConfigError(f"{what}: input is {a.dtype} but output is {b.dtype}")
+
+
+def _user_tag(tag: int) -> int:
+    if not isinstance(tag, (int, np.integer)) or not 0 <= tag < _P2P_TAG:
+        raise ConfigError(f"tag must be an integer in [0, 2**61), got {tag!r}")
+    return int(tag)
+
+
+def _solo(x: np.ndarray, op: ops.ReduceOp) -> None:
+    """A world of one: the reduction of a single contribution (16-bit rounding unchanged)."""
+    ops.finalize(ops.init_acc(x), op, 1, x)

@@ -48,7 +48,7 @@ def trunc_div(a: int, n: int) -> int:
 
 def int_reference(rows: list[list[int]], op: ReduceOp, dtype: np.dtype) -> list[int]:
     out = []
-    for col in zip(*rows):
+    for col in zip(*rows, strict=True):
         if op in (ReduceOp.SUM, ReduceOp.AVG):
             v = wrap(sum(col), dtype)
             v = trunc_div(v, len(col)) if op is ReduceOp.AVG else v

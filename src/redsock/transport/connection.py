@@ -278,10 +278,11 @@ class Connection:
                                  peer=self.peer, op=op) from self._error
 
     def _mismatch(self, h: Handle, got: int, check: int) -> ProtocolError:
-        if got != h.nbytes:
-            what = f"peer sent {got} bytes, this side expected {h.nbytes}"
+        if check != h.check:  # checked first: it explains a size difference better than sizes do
+            what = (f"peer's call signature {check:#06x} differs from this side's {h.check:#06x} "
+                    "(the ranks called different collectives, or with different dtype, size or op)")
         else:
-            what = f"peer's call signature {check:#06x} differs from this side's {h.check:#06x}"
+            what = f"peer sent {got} bytes, this side expected {h.nbytes}"
         return ProtocolError(f"recv from {self.peer} (tag {h.tag}, message #{h.seq}): {what}",
                              peer=self.peer, op="recv")
 

@@ -1,0 +1,343 @@
+"""Dtypes and reduction kernels: the arithmetic of every all-reduce, with no I/O.
+
+Everything that combines contributions (ring steps, the small-message algorithm,
+the reduction server) goes through three calls, so that every path rounds the
+same way:
+
+    acc = init_acc(first)              # accumulator in accum_dtype(first.dtype)
+    combine(acc, x, op)                # acc = acc (op) x, in place, once per contribution
+    finalize(acc, op, n, out)          # avg divides by n; rounds once into the user's dtype
+
+Semantics:
+
+* float16 and bfloat16 accumulate in float32 and are rounded to their own dtype
+  once, in :func:`finalize` (round to nearest even).  Every other dtype
+  accumulates in itself; integers wrap in two's complement like numpy (and NCCL).
+* ``avg`` sums, then divides by ``n`` at the end: floats in the accumulation
+  dtype, integers with truncation toward zero (C/NCCL integer division, exact
+  for int64; the sum itself wraps first).
+* ``min``/``max`` propagate NaN (``np.minimum``/``np.maximum``).
+* The result depends only on the order of :func:`combine` calls; callers that
+  promise bitwise reproducibility combine in rank order.
+* Overflow to inf and NaN are data, not errors. :func:`finalize` silences numpy's
+  warnings (a 16-bit sum overflowing to inf is routine with loss scaling);
+  :func:`combine` is left to the caller's ``np.errstate`` because entering one costs
+  more than a small-message combine itself (wrap the whole loop once if needed).
+
+Wire codes (one byte each) are part of the wire format: never renumber them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from numpy.typing import DTypeLike
+
+from .errors import ConfigError, ProtocolError
+
+__all__ = [
+    "SUPPORTED_DTYPES", "ReduceOp", "accum_dtype", "bfloat16", "check_dtype", "combine",
+    "dtype_code", "dtype_from_code", "dtype_from_name", "finalize", "init_acc", "reduce_arrays",
+]
+
+bfloat16: np.dtype = np.dtype(ml_dtypes.bfloat16)
+_F16 = np.dtype(np.float16)
+_F32 = np.dtype(np.float32)
+
+# (canonical name, dtype, wire code).  Code 0 is reserved so that a zeroed header never decodes.
+_DTYPE_TABLE: tuple[tuple[str, np.dtype, int], ...] = (
+    ("float32", _F32, 1),
+    ("float64", np.dtype(np.float64), 2),
+    ("float16", _F16, 3),
+    ("bfloat16", bfloat16, 4),
+    ("int8", np.dtype(np.int8), 5),
+    ("uint8", np.dtype(np.uint8), 6),
+    ("int32", np.dtype(np.int32), 7),
+    ("int64", np.dtype(np.int64), 8),
+)
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(dt for _, dt, _ in _DTYPE_TABLE)
+_CODE_OF: dict[np.dtype, int] = {dt: code for _, dt, code in _DTYPE_TABLE}
+_DTYPE_OF_CODE: dict[int, np.dtype] = {code: dt for _, dt, code in _DTYPE_TABLE}
+# "float" and "int" are left out on purpose: numpy and C/NCCL disagree on their width.
+_DTYPE_OF_NAME: dict[str, np.dtype] = {
+    **{name: dt for name, dt, _ in _DTYPE_TABLE},
+    "bf16": bfloat16, "fp16": _F16, "half": _F16, "fp32": _F32,
+    "fp64": np.dtype(np.float64), "double": np.dtype(np.float64),
+}
+_SUPPORTED_NAMES = ", ".join(name for name, _, _ in _DTYPE_TABLE)
+_ACCUM: dict[np.dtype, np.dtype] = {dt: (_F32 if dt in (_F16, bfloat16) else dt) for dt in SUPPORTED_DTYPES}
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    """``"bfloat16"`` (or an alias: bf16, fp16, half, fp32, fp64, double) -> dtype.
+
+    Raises :class:`ConfigError` for any other name.
+    """
+    try:
+        return _DTYPE_OF_NAME[name.strip().lower()]
+    except (KeyError, AttributeError):
+        raise ConfigError(f"unsupported dtype {name!r}; supported: {_SUPPORTED_NAMES}") from None
+
+
+def check_dtype(dtype: DTypeLike) -> np.dtype:
+    """Normalise ``dtype`` (a dtype, scalar type or name) and check it is supported.
+
+    Raises :class:`ConfigError` naming the supported dtypes otherwise (including
+    byte-swapped dtypes: the wire is little-endian, native order).
+    """
+    if isinstance(dtype, str):
+        return dtype_from_name(dtype)
+    if dtype is None:  # np.dtype(None) would silently mean float64
+        raise ConfigError(f"dtype is required; supported: {_SUPPORTED_NAMES}")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise ConfigError(f"unsupported dtype {dtype!r}; supported: {_SUPPORTED_NAMES}") from None
+    if dt not in _CODE_OF:
+        raise ConfigError(f"unsupported dtype {dt}; supported: {_SUPPORTED_NAMES}")
+    return dt
+
+
+def dtype_code(dtype: DTypeLike) -> int:
+    """The one-byte wire code of ``dtype``; :class:`ConfigError` if unsupported."""
+    return _CODE_OF[check_dtype(dtype)]
+
+
+def dtype_from_code(code: int) -> np.dtype:
+    """Inverse of :func:`dtype_code`; :class:`ProtocolError` for an unknown code (bad peer bytes)."""
+    try:
+        return _DTYPE_OF_CODE[code]
+    except (KeyError, TypeError):
+        raise ProtocolError(f"unknown dtype code {code!r} on the wire") from None
+
+
+def accum_dtype(dtype: DTypeLike) -> np.dtype:
+    """The dtype contributions of ``dtype`` are accumulated in (float32 for 16-bit floats)."""
+    return _ACCUM[check_dtype(dtype)]
+
+
+class ReduceOp(enum.Enum):
+    """Reduction operators; the value is the one-byte wire code (0 reserved)."""
+
+    SUM = 1
+    AVG = 2
+    MIN = 3
+    MAX = 4
+    PROD = 5
+
+    @property
+    def code(self) -> int:
+        return self.value
+
+    @classmethod
+    def from_code(cls, code: int) -> ReduceOp:
+        """Decode a wire code; :class:`ProtocolError` for an unknown one."""
+        try:
+            return cls(code)
+        except ValueError:
+            raise ProtocolError(f"unknown reduction op code {code!r} on the wire") from None
+
+    @classmethod
+    def parse(cls, op: Any) -> ReduceOp:
+        """A ReduceOp, a name (case-insensitive; also "mean", "product"), or any
+        enum-like object with a matching ``.name`` such as ``torch.distributed.ReduceOp.SUM``.
+
+        Raises :class:`ConfigError` for anything else.
+        """
+        if isinstance(op, cls):
+            return op
+        name = op if isinstance(op, str) else getattr(op, "name", None)
+        if isinstance(name, str):
+            found = _OP_OF_NAME.get(name.strip().lower())
+            if found is not None:
+                return found
+        raise ConfigError(f"unsupported reduction op {op!r}; supported: sum, avg, min, max, prod")
+
+
+_OP_OF_NAME: dict[str, ReduceOp] = {
+    **{op.name.lower(): op for op in ReduceOp}, "mean": ReduceOp.AVG, "product": ReduceOp.PROD,
+}
+# avg accumulates a sum and divides in finalize().
+_UFUNC: dict[ReduceOp, np.ufunc] = {
+    ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum, ReduceOp.PROD: np.multiply,
+}
+
+# Large 16-bit contributions are widened to float32 in blocks through a scratch buffer that
+# stays in L2 (1 MiB), then combined from there. For float16 this replaces numpy's cast, which
+# converts one element at a time (~2 ns/element); for bfloat16 (whose ml_dtypes cast is already
+# vectorised) it only pays once the arrays no longer fit in cache. Below the thresholds the
+# extra ufunc calls per block cost more than they save. Measured on the 2-core lab machine,
+# 4 Mi elements into float32: float16 9.5 -> 2.4 ms, bfloat16 1.8 -> 1.2 ms.
+_BLOCK = 1 << 18
+_BLOCKED_MIN: dict[np.dtype, int] = {_F16: 1 << 13, bfloat16: 1 << 21}
+
+# float16 -> float32 by bit manipulation (see _widen_f16): keep the sign (bit 31) and the
+# exponent+mantissa that land in bits 13..27, then rebias the exponent by 2**(127-15).
+_F16_KEEP = np.int32(-0x70000000 - 1)  # 0x8FFFFFFF as int32
+_F16_REBIAS = np.float32(2.0**112)
+_F16_EXP_MASK = np.uint16(0x7FFF)
+_F16_INF = 0x7C00
+_DENORMAL_PROBE = np.array([2.0**-140], dtype=np.float32)
+
+
+def _denormals_work() -> bool:
+    # The float16 fast path multiplies float32 denormals (from float16 subnormals); with
+    # DAZ set in this thread (e.g. torch.set_flush_denormal(True)) they would read as zero.
+    return bool(np.multiply(_DENORMAL_PROBE, _F16_REBIAS)[0] != 0)
+
+
+def _widen_f16(h: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
+    """``out[:] = h`` exactly, for a 1-D float16 block ``h`` into float32 ``out``.
+
+    About 4x faster than numpy's cast, which converts element by element. ``tmp`` is a
+    uint16 scratch block of the same length.
+    """
+    bits = out.view(np.int32)
+    np.copyto(bits, h.view(np.int16))  # sign-extend: the sign fills bits 15..31
+    np.left_shift(bits, 13, out=bits)  # exponent -> bits 23..27, mantissa -> 13..22
+    np.bitwise_and(bits, _F16_KEEP, out=bits)  # drop the sign copies in bits 28..30
+    # Exact: subnormal halves become float32 denormals here and come out normalised.
+    np.multiply(out, _F16_REBIAS, out=out)
+    np.bitwise_and(h.view(np.uint16), _F16_EXP_MASK, out=tmp)
+    if tmp.max() >= _F16_INF:  # inf/NaN need exponent 255, not 31+112: rare, let numpy do it
+        np.copyto(out, h)
+
+
+def _blocked(acc: np.ndarray, x: np.ndarray) -> bool:
+    """Whether ``x`` (16-bit) should be widened block by block into float32 ``acc``."""
+    return (
+        x.size >= _BLOCKED_MIN[x.dtype]
+        and acc.flags.c_contiguous
+        and x.flags.c_contiguous
+        and (x.dtype == bfloat16 or _denormals_work())
+    )
+
+
+def _widen_blocks(x: np.ndarray, dst: np.ndarray | None, apply: Callable[[int, int, np.ndarray], object]) -> None:
+    """Widen 16-bit ``x`` block by block to float32 and hand each block to ``apply(lo, hi, block)``.
+
+    The block is written into ``dst[lo:hi]`` when ``dst`` is given (no scratch), else into a
+    scratch buffer reused across blocks.
+    """
+    v = x.reshape(-1)
+    n = v.size
+    reuse = dst is None
+    into = np.empty(min(_BLOCK, n), _F32) if dst is None else dst
+    tmp = np.empty(min(_BLOCK, n), np.uint16) if x.dtype == _F16 else None
+    for lo in range(0, n, _BLOCK):
+        hi = min(lo + _BLOCK, n)
+        block = into[: hi - lo] if reuse else into[lo:hi]
+        if tmp is None:
+            np.copyto(block, v[lo:hi])  # ml_dtypes' bfloat16 cast is a vectorised shift
+        else:
+            _widen_f16(v[lo:hi], block, tmp[: hi - lo])
+        apply(lo, hi, block)
+
+
+def _check_pair(acc: np.ndarray, x: np.ndarray, what: str) -> None:
+    dt = x.dtype
+    if dt not in _ACCUM:  # a dict lookup: this runs on every small-message step
+        check_dtype(dt)
+    if acc.dtype != dt and acc.dtype != _ACCUM[dt]:
+        raise ConfigError(f"{what}: accumulator dtype {acc.dtype} does not match {dt} "
+                          f"(expected {_ACCUM[dt]} or {dt})")
+    if acc.shape != x.shape:
+        raise ConfigError(f"{what}: shape {acc.shape} does not match {x.shape}")
+
+
+def init_acc(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """A new accumulator holding ``x`` alone, in ``accum_dtype(x.dtype)``.
+
+    Pass ``out`` (that dtype and shape) to reuse a buffer instead of allocating.
+    Raises :class:`ConfigError` for an unsupported dtype or a mismatched ``out``.
+    """
+    dt = _ACCUM[check_dtype(x.dtype)]
+    if out is None:
+        out = np.empty(x.shape, dt)
+    elif out.dtype != dt or out.shape != x.shape:
+        raise ConfigError(f"init_acc: out must be {dt}{x.shape}, got {out.dtype}{out.shape}")
+    if dt != x.dtype and _blocked(out, x):
+        _widen_blocks(x, out.reshape(-1), lambda lo, hi, block: None)
+    else:
+        np.copyto(out, x)
+    return out
+
+
+def combine(acc: np.ndarray, x: np.ndarray, op: ReduceOp | str) -> None:
+    """``acc = acc (op) x`` in place (``avg`` adds).
+
+    ``acc`` has ``accum_dtype(x.dtype)`` (or ``x.dtype`` itself, which for 16-bit floats
+    rounds at every step) and the same shape as ``x``. One ufunc call over the arrays
+    for same-dtype operands (float32 sum: a single ``np.add(acc, x, out=acc)``); 16-bit
+    contributions are widened in L2-sized blocks. Raises :class:`ConfigError` on a
+    dtype/shape mismatch or an unknown op.
+    """
+    ufunc = _UFUNC[ReduceOp.parse(op)]
+    _check_pair(acc, x, "combine")
+    if acc.dtype == x.dtype or not _blocked(acc, x):
+        ufunc(acc, x, out=acc)  # for a 16-bit x numpy widens it exactly on the fly
+        return
+    a = acc.reshape(-1)  # a view: _blocked() checked contiguity
+    _widen_blocks(x, None, lambda lo, hi, block: ufunc(a[lo:hi], block, out=a[lo:hi]))
+
+
+def _trunc_div(acc: np.ndarray, n: int, out: np.ndarray) -> None:
+    """``out = acc / n`` truncated toward zero, exactly, for integer ``acc``."""
+    # n must be representable in the dtype for numpy's scalar rules; int64 always holds it.
+    work = acc if n <= np.iinfo(acc.dtype).max else acc.astype(np.int64)
+    rem = np.empty_like(work)  # explicit out: a 0-d input would otherwise give a scalar
+    np.fmod(work, n, out=rem)  # C remainder: takes the sign of the dividend
+    np.subtract(work, rem, out=rem)  # an exact multiple of n, no larger in magnitude: no overflow
+    # Exact division, so floor == trunc; |quotient| <= |acc| always fits back into out's dtype.
+    np.floor_divide(rem, n, out=out, casting="unsafe")
+
+
+def finalize(acc: np.ndarray, op: ReduceOp | str, n: int, out: np.ndarray) -> np.ndarray:
+    """Write the result of ``n`` combined contributions into ``out`` (the user's dtype) and return it.
+
+    ``avg`` divides by ``n`` (floats in the accumulation dtype, integers truncating toward
+    zero); 16-bit results are rounded once, here. ``out`` may be ``acc`` itself when the
+    dtypes agree; ``acc`` is not modified otherwise. Raises :class:`ConfigError` on a
+    dtype/shape mismatch, an unknown op or ``n < 1``.
+    """
+    op = ReduceOp.parse(op)
+    _check_pair(acc, out, "finalize")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ConfigError(f"finalize: n must be a positive integer, got {n!r}")
+    n = int(n)
+    if op is ReduceOp.AVG:
+        if acc.dtype.kind in "iu":
+            _trunc_div(acc, n, out)
+        else:
+            with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+                np.divide(acc, n, out=out)  # divided in float32/64, then rounded once into out
+    elif out is not acc:
+        with np.errstate(over="ignore", invalid="ignore"):  # float32 sums beyond 65504 become inf
+            np.copyto(out, acc, casting="same_kind")
+    return out
+
+
+def reduce_arrays(arrays: Sequence[np.ndarray], op: ReduceOp | str = ReduceOp.SUM) -> np.ndarray:
+    """Reduce equal-shape, equal-dtype arrays in list order, as a collective would.
+
+    The single-process path and the reference the tests use: the same
+    init_acc/combine/finalize sequence as every algorithm. Returns a new array.
+    Raises :class:`ConfigError` for an empty list, mixed dtypes/shapes or an unknown op.
+    """
+    op = ReduceOp.parse(op)
+    if len(arrays) == 0:
+        raise ConfigError("reduce_arrays needs at least one array")
+    first = np.asarray(arrays[0])
+    acc = init_acc(first)
+    for x in arrays[1:]:
+        x = np.asarray(x)
+        if x.dtype != first.dtype:
+            raise ConfigError(f"reduce_arrays: mixed dtypes {first.dtype} and {x.dtype}")
+        combine(acc, x, op)
+    out = acc if acc.dtype == first.dtype else np.empty(first.shape, first.dtype)
+    return finalize(acc, op, len(arrays), out)

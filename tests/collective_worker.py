@@ -1,0 +1,143 @@
+"""One rank of a multi-process collective test: ``python collective_worker.py SCENARIO RANK WORLD PORT``.
+
+Asserts its own results against numpy references and prints ``digest <hex>`` lines
+so the test can check that every rank ended with the same bits.
+"""
+
+import os
+import sys
+import threading
+import time
+import zlib
+from datetime import timedelta
+
+import numpy as np
+
+import redsock
+from redsock import ops
+from redsock.bench.allreduce import count_wrong, make_input, reference
+from redsock.errors import PeerFailure, RedsockError
+
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
+OPS = ["sum", "avg", "min", "max", "prod"]
+SIZES = [0, 1, 7, 1000, 65537, 300_001]
+
+
+def digest(a):
+    print(f"digest {zlib.crc32(a.tobytes()):08x}", flush=True)
+
+
+def matrix(comm, rank, world):
+    for algo in ("small", "ring"):
+        for opname in OPS:
+            op = ops.ReduceOp.parse(opname)
+            for dname in DTYPES:
+                dt = ops.dtype_from_name(dname)
+                for n in SIZES:
+                    x = make_input(n, dt, op, rank, 3)
+                    comm.all_reduce(x, opname, algorithm=algo)
+                    wrong = count_wrong(x, reference(n, dt, op, world, 3))
+                    assert wrong == 0, f"{algo} {opname} {dname} n={n}: {wrong} wrong"
+                    digest(x)
+
+
+def others(comm, rank, world):
+    rng = np.random.default_rng(7)
+    full = [rng.standard_normal(3 * world * 5 + 0).astype(np.float32) for _ in range(world)]
+    # reduce_scatter: segment `rank` of the elementwise sum
+    for dname in ("float32", "bfloat16", "int32"):
+        dt = ops.dtype_from_name(dname)
+        ins = [(np.arange(world * 1001) % 13 + r).astype(dt) for r in range(world)]
+        out = np.empty(1001, dt)
+        comm.reduce_scatter(ins[rank], out, "sum")
+        ref = np.sum([a.astype(np.float64) for a in ins], axis=0)[rank * 1001:(rank + 1) * 1001]
+        assert count_wrong(out, ref) == 0, dname
+        digest(out)
+    # all_gather: every rank's input in rank order
+    for n in (0, 3, 70001):
+        x = (np.arange(n) + 1000 * rank).astype(np.int64)
+        out = np.empty(n * world, np.int64)
+        comm.all_gather(x, out)
+        assert np.array_equal(out, np.concatenate([np.arange(n) + 1000 * r for r in range(world)]))
+    # broadcast from every root, small and large
+    for root in range(world):
+        for n in (5, 1 << 20):
+            x = np.full(n, rank, np.float64)
+            comm.broadcast(x, root)
+            assert np.all(x == root)
+    # point to point: a ring of messages with two tags
+    right, left = (rank + 1) % world, (rank - 1) % world
+    if world > 1:
+        out_a, out_b = np.empty(10, np.int32), np.empty(1 << 18, np.float32)
+        if rank % 2 == 0:
+            comm.send(np.full(10, rank, np.int32), right, tag=1)
+            comm.send(np.full(1 << 18, rank, np.float32), right, tag=2)
+            comm.recv(out_b, left, tag=2)
+            comm.recv(out_a, left, tag=1)
+        else:
+            comm.recv(out_b, left, tag=2)
+            comm.recv(out_a, left, tag=1)
+            comm.send(np.full(10, rank, np.int32), right, tag=1)
+            comm.send(np.full(1 << 18, rank, np.float32), right, tag=2)
+        assert np.all(out_a == left) and np.all(out_b == left)
+    # several async all-reduces in flight, then a sync one
+    xs = [np.full(n, rank + i, np.float32) for i, n in enumerate((3, 1 << 16, 1 << 20, 17))]
+    works = [comm.all_reduce(x, async_op=True) for x in xs]
+    y = np.ones(5, np.int64)
+    comm.all_reduce(y)
+    for w in works:
+        w.wait(30)
+    for i, x in enumerate(xs):
+        assert np.all(x == sum(r + i for r in range(world))), i
+    assert np.all(y == world)
+    comm.barrier()
+    digest(np.concatenate(xs))
+
+
+def mismatch(comm, rank, world):
+    x = np.ones(1000 if rank != 1 else 1001, np.float32)
+    try:
+        comm.all_reduce(x, algorithm="ring")
+    except RedsockError as e:
+        print(f"raised {type(e).__name__}: {e}", flush=True)
+        return
+    raise AssertionError("a size mismatch went unnoticed")
+
+
+def dtype_mismatch(comm, rank, world):
+    x = np.ones(1000, np.float32 if rank != 0 else np.int32)
+    try:
+        comm.all_reduce(x, algorithm="small")
+    except RedsockError as e:
+        print(f"raised {type(e).__name__}: {e}", flush=True)
+        return
+    raise AssertionError("a dtype mismatch went unnoticed")
+
+
+def dies(comm, rank, world):
+    comm.barrier()
+    if rank == world - 1:
+        threading.Timer(0.05, lambda: os._exit(9)).start()  # die mid-collective
+    x = np.ones(8 << 20, np.float32)
+    t0 = time.monotonic()
+    try:
+        for _ in range(100):
+            comm.all_reduce(x, algorithm="ring")
+    except PeerFailure as e:
+        print(f"raised PeerFailure ranks={list(e.ranks)} after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+        return
+    raise AssertionError("a dead rank went unnoticed")
+
+
+def main():
+    scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+    with redsock.init(rank, world, store, timeout_s=float(os.environ.get("TEST_TIMEOUT_S", "30"))) as comm:
+        globals()[scenario](comm, rank, world)
+    print("ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Collectives with real processes: every op x dtype x world size against numpy references."""
+
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+WORKER = Path(__file__).parent / "collective_worker.py"
+
+
+def run_world(scenario, world, timeout=240, env=None):
+    """Run `scenario` on `world` ranks; returns each rank's stdout. Relays failures."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=60),
+                     wait_for_workers=False)
+    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(r), str(world), str(store.port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**__import__("os").environ, **(env or {})})
+             for r in range(world)]
+    outs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for r, p in enumerate(procs):
+            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return outs
+
+
+def digests(out):
+    return [line for line in out.splitlines() if line.startswith("digest")]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_all_reduce_matrix(world):
+    outs = run_world("matrix", world)
+    for r, (code, out, err) in enumerate(outs):
+        assert code == 0 and out.rstrip().endswith("ok"), f"rank {r}:\n{err[-3000:]}"
+    first = digests(outs[0][1])
+    assert len(first) == 2 * 5 * 8 * 6
+    for r, (_, out, _) in enumerate(outs[1:], 1):
+        assert digests(out) == first, f"rank {r} differs from rank 0"
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_other_collectives(world):
+    outs = run_world("others", world)
+    for r, (code, out, err) in enumerate(outs):
+        assert code == 0 and out.rstrip().endswith("ok"), f"rank {r}:\n{err[-3000:]}"
+    assert len({tuple(digests(out)) for _, out, _ in outs}) == 1
+
+
+@pytest.mark.parametrize("scenario, expect", [("mismatch", "different dtype, size or op"), ("dtype_mismatch", "different dtype, size or op")])
+def test_mismatched_calls_raise_clearly(scenario, expect):
+    outs = run_world(scenario, 3, timeout=60)
+    raised = [out for code, out, _ in outs if "raised" in out]
+    assert raised, [err[-2000:] for _, _, err in outs]
+    assert any(expect in out for out in raised)
+    for code, out, err in outs:
+        assert code == 0, err[-2000:]
+
+
+def test_dead_rank_makes_the_others_raise_peer_failure():
+    world = 4
+    t0 = time.monotonic()
+    outs = run_world("dies", world, timeout=60, env={"TEST_TIMEOUT_S": "10"})
+    assert time.monotonic() - t0 < 40
+    assert outs[-1][0] == 9  # it really died
+    for r, (code, out, err) in enumerate(outs[:-1]):
+        assert code == 0, f"rank {r}:\n{err[-3000:]}"
+        assert f"ranks=[{world - 1}]" in out, f"rank {r} did not name the dead rank: {out}"

@@ -10,12 +10,13 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[all]'
 	touch $(STAMP)
 
 demo: setup
-	$(PY) -m redsock demo
+	mkdir -p out
+	$(PY) -m redsock bench allreduce --nprocs 4 -b 8 -e 64M -f 8 --algo auto,gloo --check \
+		--json out/allreduce.json --plot out/allreduce.png
 
 test: setup
 	$(PY) -m pytest -q

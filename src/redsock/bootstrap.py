@@ -20,7 +20,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from .config import Config
-from .errors import ConfigError, PeerFailure, Timeout, TransportError
+from .errors import ConfigError, PeerFailure, TransportError
 from .transport import Connection, Listener, connect
 
 _generation = 0  # communicators created by this process; every rank creates them in the same order
@@ -144,8 +144,28 @@ class PeerTable:
                 if self._closed or left <= 0:
                     raise PeerFailure(f"rank {self.rank}: rank {peer} never connected "
                                       f"(in {self.config.timeout_s:g}s)", ranks=(peer,))
-                self._cv.wait(min(left, 1.0))
+                self._cv.wait(min(left, 0.2))
+                failure = self.announced_failure()
+                if failure is not None:  # it may never connect: it already gave up
+                    raise TransportError(failure, peer=f"rank {peer}", op="connect")
             return self._conns[peer]
+
+    def announce_failure(self, reason: str) -> None:
+        """Tell every rank, connected or not yet, that this communicator failed."""
+        try:
+            self.store.set(self.prefix + "failed", reason)
+        except Exception:  # the store may be what failed; the connections carry it too
+            pass
+
+    def announced_failure(self) -> str | None:
+        key = self.prefix + "failed"
+        try:
+            if self.store.check([key]):
+                value = self.store.get(key)
+                return value.decode() if isinstance(value, bytes) else str(value)
+        except Exception:
+            return None
+        return None
 
     def _lookup(self, peer: int) -> str:
         try:

@@ -44,8 +44,6 @@ class Config:
     busy_poll_us: int = 0
     #: "dynamic": slices go to whichever stream has room; "static": even split (NCCL socket).
     balance: str = "dynamic"
-    #: Slices a stream may hold unsent before it stops taking more (Fast Socket: 6).
-    queue_depth: int = 2
     #: TCP_NOTSENT_LOWAT on data streams so queue occupancy follows real speed (0 = kernel default).
     notsent_lowat: int = 256 * KiB
     #: Deadline for an operation that makes no progress, and for connecting.
@@ -80,7 +78,6 @@ class Config:
         check(self.zerocopy_min_bytes >= 0, "zerocopy_min_bytes must be >= 0")
         check(self.busy_poll_us >= 0, "busy_poll_us must be >= 0")
         check(self.balance in BALANCES, f"balance must be one of {BALANCES}, got {self.balance!r}")
-        check(1 <= self.queue_depth <= 64, f"queue_depth must be 1..64, got {self.queue_depth}")
         check(self.notsent_lowat >= 0, "notsent_lowat must be >= 0")
         check(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
         check(self.max_message_bytes > 0, "max_message_bytes must be > 0")

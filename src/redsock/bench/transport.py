@@ -247,6 +247,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     side.add_argument("--listen", metavar="HOST:PORT", help="serve benchmark sessions (redsock on PORT, plain on PORT+1)")
     side.add_argument("--connect", metavar="HOST:PORT", help="drive the benchmark against a --listen side")
     side.add_argument("--local", action="store_true", help="start a listener child process on loopback and drive it")
+    side.add_argument("--testbed", metavar="PROFILE",
+                      help="build an emulated network (perflow: per-flow path classes) and compare "
+                           "dynamic, static and plain across it (needs root)")
     p.add_argument("--sizes", default="8,64K,1M,16M,256M", help="comma-separated message sizes (e.g. 8,1M,256M)")
     p.add_argument("--nsocks", type=int, help="data streams (REDSOCK_NSOCKS)")
     p.add_argument("--balance", choices=["dynamic", "static"], help="slice placement (REDSOCK_BALANCE)")
@@ -258,9 +261,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pingpong-iters", type=int, default=2000)
     p.add_argument("--sessions", type=int, help="with --listen: exit after this many sessions")
     p.add_argument("--json", metavar="FILE", help="write one JSON object per row")
+    from . import transport_testbed
+
+    transport_testbed.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "testbed", None):
+        from . import transport_testbed
+
+        return transport_testbed.run(args)
     config = Config.from_env(nsocks=args.nsocks, balance=args.balance,
                              chunk_bytes=parse_size(args.chunk) if args.chunk else None)
     if args.listen:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -17,7 +18,7 @@ from ..bootstrap import PeerTable
 from ..config import Config, KiB
 from ..errors import ConfigError, PeerFailure, RedsockError, TransportError
 from . import ring, small
-from .context import CallContext
+from .context import CallContext, ScratchPool
 
 log = logging.getLogger("redsock.collectives")
 
@@ -71,6 +72,7 @@ class Communicator:
         self._seq_lock = threading.Lock()
         self._failure: PeerFailure | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._pool = ScratchPool()
         self._closed = False
 
     # -- public collectives ---------------------------------------------------
@@ -178,15 +180,17 @@ class Communicator:
         with self._seq_lock:  # every rank numbers its calls the same way: the tag is the call number
             seq = self._seq
             self._seq += 1
-        check = zlib.crc32(repr((name, *[str(s) for s in signature])).encode()) & 0xFFFF
+        check = _signature_check(name, signature)
         ctx = CallContext(self.peers, self.rank, self.world_size, _COLLECTIVE_TAG | seq, check,
-                          self.config.timeout_s)
+                          self.config.timeout_s, self._pool)
 
         def call() -> None:
             try:
                 body(ctx)
             except RedsockError as e:
                 raise self._failed(name, seq, e) from e
+            finally:
+                ctx.release()
 
         if not async_op:
             call()
@@ -219,6 +223,7 @@ class Communicator:
             reason = f"[failed ranks: {', '.join(map(str, ranks))}] rank {self.rank} gives up: {err}"
             for conn in self.peers.connections().values():
                 conn.abort(reason)
+            self.peers.announce_failure(reason)
         return failure
 
     def _check_usable(self) -> None:
@@ -231,6 +236,12 @@ class Communicator:
     def _check_rank(self, r: int, what: str) -> None:
         if not isinstance(r, (int, np.integer)) or not 0 <= r < self.world_size:
             raise ConfigError(f"{what} {r!r} is not a rank of a world of {self.world_size}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature_check(name: str, signature: tuple) -> int:
+    """16 bits every message of a call carries; ranks that disagree on the call differ here."""
+    return zlib.crc32(repr((name, *[str(s) for s in signature])).encode()) & 0xFFFF
 
 
 def _failed_ranks(err: RedsockError, peers: PeerTable) -> list[int]:

@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..bootstrap import PeerTable
 from ..transport import Handle
+
+
+class ScratchPool:
+    """Reusable receive buffers.  A fresh np.empty of tens of MiB costs a page fault
+    per 4 KiB on first touch — more than the copy into it — so buffers are kept."""
+
+    def __init__(self, keep: int = 4):
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self._keep = keep
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
+            if fits:  # (by index: list.remove would compare arrays elementwise)
+                return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+        return np.empty(max(nbytes, 1), np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > self._keep:
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].nbytes))
 
 
 @dataclass
@@ -26,6 +50,19 @@ class CallContext:
     tag: int
     check: int
     timeout_s: float
+    pool: ScratchPool = field(default_factory=ScratchPool)
+    taken: list[np.ndarray] = field(default_factory=list)
+
+    def scratch(self, count: int, dtype: np.dtype) -> np.ndarray:
+        """A temporary array for this call, returned to the pool by :meth:`release`."""
+        buf = self.pool.take(count * np.dtype(dtype).itemsize)
+        self.taken.append(buf)
+        return buf[: count * np.dtype(dtype).itemsize].view(dtype)
+
+    def release(self) -> None:
+        for buf in self.taken:
+            self.pool.give(buf)
+        self.taken.clear()
 
     def isend(self, peer: int, buf: Any) -> Handle:
         return self.peers.get(peer).isend(buf, self.tag, self.check)

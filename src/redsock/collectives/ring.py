@@ -22,98 +22,115 @@ from .. import ops
 from ..transport import Handle
 from .context import CallContext, chunks, flat, partition
 
-CHUNK_BYTES = 1 << 20  # pipeline granularity (measured: see README "Tuning")
+CHUNK_BYTES = 4194304  # pipeline granularity (measured: see README "Tuning")
 
 
-def reduce_scatter_steps(ctx: CallContext, acc: np.ndarray, bounds: list[tuple[int, int]], op: ops.ReduceOp,
-                         on_owned_chunk: Callable[[int, int], None], per: int) -> list[Handle]:
-    """Ring reduce-scatter over ``acc`` (flat, accumulation dtype) cut at ``bounds``.
+Chunks = list[list[tuple[int, int]]]  # per segment: [lo, hi) element ranges
 
-    Calls ``on_owned_chunk(lo, hi)`` for each chunk (``per`` elements) of this rank's own
-    segment as soon as it is fully reduced.  Returns the send handles still in flight.
+
+def post_reduce_scatter(ctx: CallContext, acc: np.ndarray, seg_chunks: Chunks) -> list[tuple]:
+    """Post every receive of the reduce-scatter now, each into its own scratch space,
+    so no chunk ever arrives before its receive (that would cost a copy)."""
+    n, r, left = ctx.world, ctx.rank, (ctx.rank - 1) % ctx.world
+    steps = [(step, seg_chunks[(r - step - 2) % n]) for step in range(n - 1)]
+    scratch = ctx.scratch(sum(hi - lo for _, cs in steps for lo, hi in cs), acc.dtype)
+    posted, off = [], 0
+    for step, cs in steps:
+        for lo, hi in cs:
+            buf = scratch[off:off + hi - lo]
+            off += hi - lo
+            posted.append((step, lo, hi, buf, ctx.irecv(left, buf)))
+    return posted
+
+
+def run_reduce_scatter(ctx: CallContext, acc: np.ndarray, seg_chunks: Chunks, posted: list[tuple],
+                       op: ops.ReduceOp, on_owned_chunk: Callable[[int, int], None]) -> list[Handle]:
+    """Ring reduce-scatter over ``acc`` (flat, accumulation dtype); rank r ends owning segment r.
+
+    Calls ``on_owned_chunk(lo, hi)`` for each chunk of this rank's own segment as soon
+    as it is fully reduced.  Returns the send handles still in flight.
     """
-    n, r = ctx.world, ctx.rank
-    right, left = (r + 1) % n, (r - 1) % n
-    seg_chunks = [chunks(lo, hi, per) for lo, hi in bounds]
+    n, r, right = ctx.world, ctx.rank, (ctx.rank + 1) % ctx.world
     sends = [ctx.isend(right, acc[lo:hi]) for lo, hi in seg_chunks[(r - 1) % n]]
-    tmp = np.empty(max(hi - lo for lo, hi in bounds), acc.dtype)
-    for step in range(n - 1):
-        seg = (r - step - 2) % n
-        base = bounds[seg][0]
-        recvs = [ctx.irecv(left, tmp[lo - base:hi - base]) for lo, hi in seg_chunks[seg]]
-        for (lo, hi), h in zip(seg_chunks[seg], recvs):
-            ctx.wait(h)
-            ops.combine(acc[lo:hi], tmp[lo - base:hi - base], op)
-            if step < n - 2:
-                sends.append(ctx.isend(right, acc[lo:hi]))
-            else:
-                on_owned_chunk(lo, hi)
+    for step, lo, hi, buf, h in posted:
+        ctx.wait(h)
+        ops.combine(acc[lo:hi], buf, op)
+        if step < n - 2:
+            sends.append(ctx.isend(right, acc[lo:hi]))  # reduced here: on to the next rank
+        else:
+            on_owned_chunk(lo, hi)
     return sends
 
 
-def all_gather_steps(ctx: CallContext, out: np.ndarray, bounds: list[tuple[int, int]], sends: list[Handle],
-                     per: int) -> None:
-    """Ring all-gather into ``out`` (flat) in chunks of ``per`` elements: segment r is
-    already in place at rank r (and usually already being sent: its handles are in ``sends``)."""
-    n, r = ctx.world, ctx.rank
-    right, left = (r + 1) % n, (r - 1) % n
-    for step in range(n - 1):
-        seg = (r - step - 1) % n
-        pieces = chunks(*bounds[seg], per)
-        recvs = [ctx.irecv(left, out[lo:hi]) for lo, hi in pieces]
-        for (lo, hi), h in zip(pieces, recvs):
-            ctx.wait(h)
-            if step < n - 2:
-                sends.append(ctx.isend(right, out[lo:hi]))
+def post_all_gather(ctx: CallContext, out: np.ndarray, seg_chunks: Chunks) -> list[tuple]:
+    """Post every receive of the all-gather now, straight into ``out``."""
+    n, r, left = ctx.world, ctx.rank, (ctx.rank - 1) % ctx.world
+    return [(step, lo, hi, ctx.irecv(left, out[lo:hi]))
+            for step in range(n - 1) for lo, hi in seg_chunks[(r - step - 1) % n]]
+
+
+def run_all_gather(ctx: CallContext, out: np.ndarray, posted: list[tuple], sends: list[Handle]) -> None:
+    """Forward each received chunk to the right as it lands; segment r started this rank's sends."""
+    right = (ctx.rank + 1) % ctx.world
+    for step, lo, hi, h in posted:
+        ctx.wait(h)
+        if step < ctx.world - 2:
+            sends.append(ctx.isend(right, out[lo:hi]))
     ctx.wait_all(sends)
+
+
+def segment_chunks(bounds: list[tuple[int, int]], per: int) -> Chunks:
+    return [chunks(lo, hi, per) for lo, hi in bounds]
 
 
 def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
     """In-place ring all-reduce of ``x`` (C-contiguous)."""
     xf = flat(x)
-    acc = xf if ops.accum_dtype(x.dtype) == x.dtype else ops.init_acc(xf)
-    bounds = partition(xf.size, ctx.world)
+    wide = ops.accum_dtype(x.dtype)
+    acc = xf if wide == x.dtype else ops.init_acc(xf, ctx.scratch(xf.size, wide))
+    # One chunking for both phases: the owned chunks of the reduce-scatter start the all-gather.
+    seg_chunks = segment_chunks(partition(xf.size, ctx.world), chunk_elements(acc))
+    rs_posted = post_reduce_scatter(ctx, acc, seg_chunks)
+    # Receiving into x while reduce-scatter sends from it are in flight is safe: a segment's
+    # final value only comes back after our contribution to it has been delivered.
+    ag_posted = post_all_gather(ctx, xf, seg_chunks)
     right = (ctx.rank + 1) % ctx.world
     ag_sends: list[Handle] = []
 
-    def owned(lo: int, hi: int) -> None:
-        # Final for every rank: round once and start the all-gather with it right away.
-        # (Receiving into x while reduce-scatter sends from it are in flight is safe: a
-        # segment's final value only comes back after our contribution to it was delivered.)
+    def owned(lo: int, hi: int) -> None:  # final for every rank: round once, start the all-gather
         ops.finalize(acc[lo:hi], op, ctx.world, xf[lo:hi])
         ag_sends.append(ctx.isend(right, xf[lo:hi]))
 
-    per = chunk_elements(acc)  # one chunking for both phases: owned chunks start the all-gather
-    rs_sends = reduce_scatter_steps(ctx, acc, bounds, op, owned, per)
-    all_gather_steps(ctx, xf, bounds, ag_sends + rs_sends, per)
+    rs_sends = run_reduce_scatter(ctx, acc, seg_chunks, rs_posted, op, owned)
+    run_all_gather(ctx, xf, ag_posted, ag_sends + rs_sends)
 
 
 def reduce_scatter(ctx: CallContext, x: np.ndarray, out: np.ndarray, op: ops.ReduceOp) -> None:
     """``out`` (count elements) = reduced segment ``rank`` of ``x`` (world * count elements)."""
     xf = flat(x)
-    acc = ops.init_acc(xf)  # the input is not modified
+    acc = ops.init_acc(xf, ctx.scratch(xf.size, ops.accum_dtype(x.dtype)))  # the input is not modified
     count = out.size
-    bounds = [(i * count, (i + 1) * count) for i in range(ctx.world)]
+    seg_chunks = segment_chunks([(i * count, (i + 1) * count) for i in range(ctx.world)], chunk_elements(acc))
     of = flat(out)
     base = ctx.rank * count
 
     def owned(lo: int, hi: int) -> None:
         ops.finalize(acc[lo:hi], op, ctx.world, of[lo - base:hi - base])
 
-    ctx.wait_all(reduce_scatter_steps(ctx, acc, bounds, op, owned, chunk_elements(acc)))
+    posted = post_reduce_scatter(ctx, acc, seg_chunks)
+    ctx.wait_all(run_reduce_scatter(ctx, acc, seg_chunks, posted, op, owned))
 
 
 def all_gather(ctx: CallContext, x: np.ndarray, out: np.ndarray) -> None:
     """``out`` (world * count) = every rank's ``x`` (count), in rank order."""
     of = flat(out)
     count = x.size
-    bounds = [(i * count, (i + 1) * count) for i in range(ctx.world)]
-    lo, hi = bounds[ctx.rank]
+    seg_chunks = segment_chunks([(i * count, (i + 1) * count) for i in range(ctx.world)], chunk_elements(of))
+    posted = post_all_gather(ctx, of, seg_chunks)
+    lo, hi = ctx.rank * count, (ctx.rank + 1) * count
     of[lo:hi] = flat(x)
     right = (ctx.rank + 1) % ctx.world
-    per = chunk_elements(of)
-    sends = [ctx.isend(right, of[a:b]) for a, b in chunks(lo, hi, per)]
-    all_gather_steps(ctx, of, bounds, sends, per)
+    run_all_gather(ctx, of, posted, [ctx.isend(right, of[a:b]) for a, b in seg_chunks[ctx.rank]])
 
 
 def chunk_elements(a: np.ndarray) -> int:

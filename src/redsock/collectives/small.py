@@ -27,7 +27,7 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
         ctx.wait(ctx.isend(r - p2, acc))
         ctx.wait(ctx.irecv(r - p2, xf))
         return
-    tmp = np.empty_like(acc)
+    tmp = ctx.scratch(acc.size, acc.dtype)
     if r < extra:
         ctx.wait(ctx.irecv(r + p2, tmp))
         ops.combine(acc, tmp, op)

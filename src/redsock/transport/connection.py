@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import select
 import socket
 import threading
@@ -37,7 +38,8 @@ from .sockets import advance_parts, recv_exact, send_all, shutdown_quietly, tran
 
 log = logging.getLogger("redsock.transport")
 
-_PROGRESS_CHECK_S = 1.0  # how often a blocked waiter looks for progress on a large message
+_PROGRESS_CHECK_S = 1.0
+_EVENT_LOCK = threading.Lock()  # how often a blocked waiter looks for progress on a large message
 
 
 def as_bytes(buf: Any, *, writable: bool) -> memoryview:
@@ -71,7 +73,7 @@ class Handle:
         self.got = 0  # bytes moved so far (progress, for the no-progress deadline)
         self.error: RedsockError | None = None
         self._done = False
-        self._event = threading.Event()
+        self._event: threading.Event | None = None  # made only if someone must block: most never do
 
     @property
     def done(self) -> bool:
@@ -92,15 +94,28 @@ class Handle:
         if self.error is not None:
             raise self.error
 
+    def _block(self, timeout: float) -> bool:
+        """Sleep until done or ``timeout``; True if done."""
+        ev = self._event
+        if ev is None:
+            with _EVENT_LOCK:
+                if self._event is None:
+                    self._event = threading.Event()
+                ev = self._event
+            if self._done:  # completed before the event existed: nobody will set it
+                return True
+        return ev.wait(timeout)
+
     def _complete(self) -> None:
         self._done = True
-        self._event.set()
+        ev = self._event  # read after _done is set; _block checks _done after making the event
+        if ev is not None:
+            ev.set()
 
     def _fail(self, err: RedsockError) -> None:
         if not self._done:
             self.error = err
-            self._done = True
-            self._event.set()
+            self._complete()
 
     def __repr__(self) -> str:
         state = "failed" if self.error else "done" if self._done else "pending"
@@ -145,6 +160,7 @@ class Connection:
         self._schedule = make_schedule(config.balance, len(data), config.chunk_bytes)
         self._error: RedsockError | None = None
         self._closed = False
+        self._streams_ended = 0
         # Control stream, receive side: read by whichever waiter holds the lock.
         self._ctrl_rx_lock = threading.Lock()
         self._crx_hdr = bytearray(wire.CTRL_SIZE)
@@ -346,7 +362,7 @@ class Connection:
         else:
             deadline = time.monotonic() + limit
             last = h.got
-            while not h._event.wait(min(_PROGRESS_CHECK_S, max(0.0, deadline - time.monotonic()))):
+            while not h._block(min(_PROGRESS_CHECK_S, max(0.0, deadline - time.monotonic()))):
                 if h.got != last:  # moving: the deadline is for a stall, not for a long transfer
                     last = h.got
                     deadline = time.monotonic() + limit
@@ -363,7 +379,7 @@ class Connection:
         spin_until = time.perf_counter() + self._spin_s
         while not h._done:
             if not self._ctrl_rx_lock.acquire(blocking=False):
-                h._event.wait(0.0005)  # another waiter is reading; it completes us if ours comes
+                h._block(0.0005)  # another waiter is reading; it completes us if ours comes
                 if time.monotonic() >= deadline:
                     return
                 continue
@@ -373,7 +389,10 @@ class Connection:
                         spin_until = time.perf_counter() + self._spin_s
                         continue
                     if time.perf_counter() < spin_until:
-                        continue  # busy-poll: the reply is usually microseconds away
+                        # Busy-poll: the reply is usually microseconds away.  Yielding keeps a
+                        # spinning rank from starving the one it waits for when cores are shared.
+                        os.sched_yield()
+                        continue
                     now = time.monotonic()
                     if now >= deadline:
                         return
@@ -586,7 +605,14 @@ class Connection:
         try:
             while True:
                 if not recv_exact(sock, hview):
-                    raise EOFError("peer closed the connection")
+                    # A clean end of this stream.  Others may still carry data that was sent
+                    # before the peer closed: the connection is down only when all have ended.
+                    with self._lock:
+                        self._streams_ended += 1
+                        all_ended = self._streams_ended == len(self._data)
+                    if all_ended:
+                        raise EOFError("peer closed the connection")
+                    return
                 rec = wire.decode_slice(hdr, limit)
                 owner, target = self._message_target(rec.tag, rec.seq, rec.total, rec.offset, rec.length, rec.check)
                 if not recv_exact(sock, target):

@@ -1,0 +1,652 @@
+"""``redsock bench transport --testbed perflow``: the transport under per-flow path imbalance.
+
+The acceptance benchmark of the Fast Socket transport.  It builds a
+:class:`~redsock.testbed.PairTestbed`: namespaces ``a`` (198.18.1.1) and ``b``
+(198.18.1.2) joined by one veth whose ``a``-side egress has one htb class per
+rate in ``--rates`` (default 800/600/400/200 Mbit/s), picked by u32 on
+source-port bits (:func:`~redsock.testbed.path_class`) — like ECMP paths of
+unequal speed.  The ``--listen`` side of ``redsock bench transport`` runs in
+``b``; the driver (the *sender* of the one-way throughput test, so its data
+streams' source ports pick the path classes) runs in ``a``, once per
+configuration:
+
+* redsock, ``balance=dynamic``, ``--nsocks`` streams;
+* redsock, ``balance=static`` (NCCL-socket-style even split), the same streams;
+* ``plain``: one blocking TCP socket (if ``--impl`` includes it);
+* redsock dynamic with each of ``--extra-nsocks`` streams (e.g. 8).
+
+Fair comparison.  Ephemeral source ports are random, so two connections
+usually land in different classes.  The transport's ``connect`` cannot bind
+source ports, so the driver *reconnects* until the data streams land on the
+wanted multiset of classes (``--land spread``, the default: stream *i* on
+class ``i mod nclasses`` up to a permutation — with 4 streams one stream per
+class, with 8 two per class).  ``--land random`` takes the dynamic run's
+first connection as it comes and makes the static run match its classes.
+A rejected connection runs an empty session (a plan with no cases) and waits
+for the listener to close it, so the listener never sees a half session.
+The plain baseline is put on the fastest class, its best case.
+
+Capacity.  The capacity of a run is the sum of the *distinct* classes its
+streams hit (streams in the same class share it).  tc counts frame headers,
+so the payload goodput a class can carry is about ``GOODPUT_FACTOR`` (0.956)
+of its configured rate (measured on this testbed); the table shows the
+throughput against both.  The acceptance verdict uses the *configured*
+capacity (the stricter of the two).
+
+Diagnostics per stream (``extra.streams`` in ``--json``): source port,
+class, bytes and slices sent, achieved Mbit/s, the share of bytes against
+the share its class would give it, and the *tail*: how long before the end
+of a repetition the stream handed its last slice to the kernel (a stream that
+runs dry early idles while slower ones finish).  Per class, the bytes tc
+really sent (from ``tc -s class show``).
+
+The driver is also a command of its own (``python -m
+redsock.bench.transport_testbed drive --connect HOST:PORT ...``), which is
+what runs inside namespace ``a``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from ..config import Config, parse_size
+from ..errors import ConfigError, RedsockError
+from ..testbed import netns as nx
+from ..testbed.cluster import PairTestbed
+from ..testbed.netns import format_rate, parse_rate, path_class
+from ..transport import connect
+from .transport import (
+    ACK_TAG, DATA_TAG, PLAN_BYTES, PLAN_TAG, TransportRow, _cases, _human, _many, _PlainConn,
+)
+
+PROFILES = ("perflow",)
+DEFAULT_RATES = "800mbit,600mbit,400mbit,200mbit"
+#: Payload goodput / configured htb rate (tc counts Ethernet/IP/TCP headers), measured here.
+GOODPUT_FACTOR = 0.956
+#: Acceptance bounds of the issue (full size): dynamic >= 85% of capacity, >= 1.6x static.
+ACCEPT_PCT = 0.85
+ACCEPT_RATIO = 1.6
+LISTEN_PORT = 7000
+#: ``--sizes`` of plain ``bench transport``; under ``--testbed`` it means the acceptance size.
+_TRANSPORT_DEFAULT_SIZES = "8,64K,1M,16M,256M"
+TESTBED_DEFAULT_SIZES = "256M"
+SAMPLE_S = 0.01  # per-stream byte-counter sampling period of the driver
+WARMUP = {"mode": "throughput", "bytes": 1 << 20, "iters": 32, "reps": 1}
+#: A last 1-byte case whose ack is allowed to get lost.  The listener sends its final
+#: ack and closes at once; the driver's data-stream threads can see that close before
+#: the ack is read off the control stream and fail the pending receive (a race in the
+#: transport: see the module notes).  With this case last, every measured ack arrives
+#: while the listener still waits for more.
+SENTINEL = {"mode": "throughput", "bytes": 1, "iters": 1, "reps": 1, "sentinel": True}
+
+
+# ----------------------------------------------------------------------------- the driver (namespace a)
+
+def want_spread(nstreams: int, nclasses: int) -> list[int]:
+    """The 'spread' landing: stream i on class i mod nclasses (as a sorted multiset)."""
+    return sorted(i % nclasses for i in range(nstreams))
+
+
+def _empty_session(conn: Any) -> None:
+    """Run a session with no cases and wait for the listener to end it.
+
+    Waiting matters: closing first could let the listener see the data streams
+    end before it has read the plan, and its serve loop does not survive that.
+    """
+    plan = json.dumps({"cases": []}).encode().ljust(PLAN_BYTES, b"\0")
+    if isinstance(conn, _PlainConn):
+        conn.send(plan)
+        conn.sock.settimeout(10)
+        try:
+            conn.sock.recv(1)  # b"" once the listener closed its side
+        except OSError:
+            pass
+        return
+    conn.send(np.frombuffer(plan, np.uint8), PLAN_TAG)
+    # The data streams' receiver threads see the listener's close and mark the
+    # connection failed (quietly: no operation is pending).
+    deadline = time.monotonic() + 10
+    while conn.error is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def connect_landed(addr: tuple[str, int], impl: str, config: Config, want: list[int] | None,
+                   nclasses: int, shift: int, max_attempts: int) -> tuple[Any, list[int], int]:
+    """Connect until the data streams' source ports land on the class multiset ``want``.
+
+    Returns ``(conn, source ports, attempts)``.  ``want=None`` takes the first
+    connection.  Raises :class:`ConfigError` after ``max_attempts`` misses.
+    """
+    import socket
+
+    for attempt in range(1, max_attempts + 1):
+        if impl == "redsock":
+            conn: Any = connect(addr, config=config, name="bench-testbed", retry_s=10)
+            ports = [s.getsockname()[1] for s in conn._data]
+        elif impl == "plain":
+            s = socket.create_connection((addr[0], addr[1] + 1), timeout=config.timeout_s)
+            s.settimeout(None)
+            conn, ports = _PlainConn(s), [s.getsockname()[1]]
+        else:
+            raise ConfigError(f"unknown impl {impl!r} (redsock, plain)")
+        got = sorted(path_class(p, nclasses, shift) for p in ports)
+        if want is None or got == sorted(want):
+            return conn, ports, attempt
+        try:
+            _empty_session(conn)
+        finally:
+            conn.close()
+    raise ConfigError(f"no {impl} connection landed on classes {sorted(want or [])} in "
+                      f"{max_attempts} attempts (raise --max-attempts or use --land random)")
+
+
+class _Sampler:
+    """Samples the connection's per-stream byte counters every SAMPLE_S in a thread."""
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+        self.samples: list[tuple[float, list[int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="bench-sampler")
+
+    def _counters(self) -> list[int]:
+        return list(getattr(self.conn, "bytes_sent", [0]))
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter(), self._counters()))
+            self._stop.wait(SAMPLE_S)
+
+    def __enter__(self) -> "_Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.perf_counter(), self._counters()))
+
+    def last_change(self, stream: int) -> float:
+        """Time of the first sample at which ``stream`` had reached its final count."""
+        final = self.samples[-1][1][stream]
+        for t, c in self.samples:
+            if c[stream] >= final:
+                return t
+        return self.samples[-1][0]
+
+
+def _cpu_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [float(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+    return sum(fields) - idle, sum(fields)
+
+
+def drive_with_stats(conn: Any, cases: list[dict]) -> list[dict]:
+    """The protocol of :func:`redsock.bench.transport.drive`, plus per-rep per-stream statistics."""
+    plan = json.dumps({"cases": cases}).encode()
+    if len(plan) > PLAN_BYTES:
+        raise ConfigError("too many benchmark cases for one plan")
+    conn.send(np.frombuffer(plan.ljust(PLAN_BYTES, b"\0"), np.uint8), PLAN_TAG)
+    buf = np.random.default_rng(0).integers(0, 255, max([c["bytes"] for c in cases] + [1]), dtype=np.uint8)
+    ack = np.zeros(1, np.uint8)
+    results = []
+    for case in cases:
+        if case.get("sentinel"):
+            try:
+                conn.send(buf[:1], DATA_TAG)
+                conn.recv(ack, ACK_TAG)
+            except RedsockError:
+                pass  # the close race described at SENTINEL: nothing measured is lost
+            continue
+        if case["mode"] != "throughput":
+            raise ConfigError("the testbed benchmark measures throughput only")
+        view = memoryview(buf)[: case["bytes"]]
+        reps = []
+        for _ in range(case["reps"]):
+            b0 = list(getattr(conn, "bytes_sent", [0]))
+            s0 = list(getattr(conn, "slices_sent", [0]))
+            cpu0, own0 = _cpu_busy(), os.times()
+            with _Sampler(conn) as sampler:
+                t0 = time.perf_counter()
+                _many(conn, "send", view, case["iters"], DATA_TAG)
+                conn.recv(ack, ACK_TAG)
+                t1 = time.perf_counter()
+            cpu1, own1 = _cpu_busy(), os.times()
+            if isinstance(conn, _PlainConn):
+                sent, slices, tails = [case["bytes"] * case["iters"]], [0], [0.0]
+            else:
+                sent = [b - a for a, b in zip(b0, conn.bytes_sent)]
+                slices = [b - a for a, b in zip(s0, conn.slices_sent)]
+                tails = [max(0.0, t1 - sampler.last_change(i)) for i in range(len(sent))]
+            reps.append({
+                "seconds": t1 - t0, "bytes_per_stream": sent, "slices_per_stream": slices,
+                "tail_s": tails,
+                "machine_cpu": (cpu1[0] - cpu0[0]) / max(1.0, cpu1[1] - cpu0[1]),
+                "driver_cpu_s": (own1.user + own1.system) - (own0.user + own0.system),
+            })
+        results.append({**case, "reps_detail": reps,
+                        "times": [r["seconds"] / case["iters"] for r in reps]})
+    return results
+
+
+def run_drive(addr: tuple[str, int], impl: str, config: Config, sizes: list[int], iters: int,
+              reps: int, want: list[int] | None, nclasses: int, shift: int,
+              max_attempts: int) -> list[TransportRow]:
+    """One configuration: land the streams, warm up, measure every size; rows out."""
+    conn, ports, attempts = connect_landed(addr, impl, config, want, nclasses, shift, max_attempts)
+    cases = [c for c in _cases(sizes, iters, reps, 0, 1) if c["mode"] == "throughput"]
+    try:
+        results = drive_with_stats(conn, [WARMUP] + cases + [SENTINEL])[1:]
+    finally:
+        conn.close()
+    rows = []
+    for r in results:
+        med = statistics.median(r["times"])
+        detail = r["reps_detail"]
+        n = len(detail[0]["bytes_per_stream"])
+        total_s = sum(d["seconds"] for d in detail)
+        per_stream = [sum(d["bytes_per_stream"][i] for d in detail) for i in range(n)]
+        rows.append(TransportRow(
+            impl=impl, mode="throughput", bytes=r["bytes"],
+            nsocks=config.nsocks if impl == "redsock" else 1,
+            balance=config.balance if impl == "redsock" else "-", iters=r["iters"],
+            median_s=med, min_s=min(r["times"]),
+            gbps=r["bytes"] * 8 / med / 1e9 if med > 0 else 0.0,
+            extra={
+                "src_ports": ports, "attempts": attempts,
+                "chunk_bytes": config.chunk_bytes, "notsent_lowat": config.notsent_lowat,
+                "slices_per_stream": [sum(d["slices_per_stream"][i] for d in detail) for i in range(n)],
+                "bytes_per_stream": per_stream,
+                "stream_mbps": [b * 8 / total_s / 1e6 for b in per_stream],
+                "tail_ms": [statistics.median(d["tail_s"][i] for d in detail) * 1e3 for i in range(n)],
+                "rep_gbps": [r["bytes"] * r["iters"] * 8 / d["seconds"] / 1e9 for d in detail],
+                "machine_cpu": statistics.median(d["machine_cpu"] for d in detail),
+                "driver_cpu": sum(d["driver_cpu_s"] for d in detail) / total_s,
+                "payload_bytes": r["bytes"] * r["iters"] * r["reps"],
+            }))
+    return rows
+
+
+def _drive_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m redsock.bench.transport_testbed drive",
+                                description="driver side of the testbed benchmark (JSON rows on stdout)")
+    p.add_argument("--connect", required=True, metavar="HOST:PORT")
+    p.add_argument("--impl", default="redsock", choices=["redsock", "plain"])
+    p.add_argument("--sizes", default="256M")
+    p.add_argument("--iters", type=int, default=4)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--nclasses", type=int, default=4)
+    p.add_argument("--shift", type=int, default=1)
+    p.add_argument("--want", default="", help="class multiset to land on, e.g. 0,1,2,3 (empty: any)")
+    p.add_argument("--max-attempts", type=int, default=400)
+    a = p.parse_args(argv)
+    from ..config import parse_hostport
+
+    config = Config.from_env()  # REDSOCK_* set by the orchestrator
+    want = [int(x) for x in a.want.split(",") if x != ""] or None
+    rows = run_drive(parse_hostport(a.connect), a.impl, config,
+                     [parse_size(s) for s in a.sizes.split(",") if s], a.iters, a.reps, want,
+                     a.nclasses, a.shift, a.max_attempts)
+    for r in rows:
+        print(json.dumps(asdict(r)), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------ the orchestrator
+
+@dataclass
+class RunSpec:
+    impl: str
+    balance: str
+    nsocks: int
+    want: list[int] | None  # class multiset to land on; None = as it comes
+    match: str = ""         # label of an earlier run to land where it landed (--land random)
+
+    @property
+    def label(self) -> str:
+        return "plain" if self.impl == "plain" else f"{self.balance}x{self.nsocks}"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``--testbed`` (the option itself is in the side group of transport.py)."""
+    g = p.add_argument_group("--testbed (emulated per-flow path imbalance; needs root)")
+    g.add_argument("--rates", default=DEFAULT_RATES,
+                   help="path class rates, a power-of-two count (default %(default)s)")
+    g.add_argument("--extra-nsocks", default="",
+                   help="also run balance=dynamic with these stream counts (e.g. 8)")
+    g.add_argument("--lowat", help="TCP_NOTSENT_LOWAT of the data streams (REDSOCK_NOTSENT_LOWAT; 0 = off)")
+    g.add_argument("--land", choices=["spread", "random"], default="spread",
+                   help="spread: reconnect until stream i lands on class i mod nclasses (default); "
+                        "random: first connection for dynamic, static reconnects to match it")
+    g.add_argument("--max-attempts", type=int, default=400, help="reconnects allowed to land a run")
+    g.add_argument("--prefix", help="testbed namespace prefix (default rsbt<pid>)")
+
+
+def _rates(text: str) -> list[int]:
+    rates = [parse_rate(r) for r in text.split(",") if r.strip()]
+    if not rates:
+        raise ConfigError("--rates needs at least one rate")
+    return rates
+
+
+def plan_runs(args: argparse.Namespace, config: Config, nclasses: int,
+              rates: Sequence[int]) -> list[RunSpec]:
+    impls = [s.strip() for s in args.impl.split(",") if s.strip()]
+    for impl in impls:
+        if impl not in ("redsock", "plain"):
+            raise ConfigError(f"unknown impl {impl!r} (redsock, plain)")
+    balances = [args.balance] if args.balance else ["dynamic", "static"]
+    n = config.nsocks
+    spread = args.land == "spread"
+    runs: list[RunSpec] = []
+    if "redsock" in impls:
+        for bal in balances:
+            if spread:
+                runs.append(RunSpec("redsock", bal, n, want_spread(n, nclasses)))
+            elif runs:
+                runs.append(RunSpec("redsock", bal, n, None, match=runs[0].label))
+            else:
+                runs.append(RunSpec("redsock", bal, n, None))
+        for k in (int(x) for x in args.extra_nsocks.split(",") if x.strip()):
+            if k != n:
+                runs.append(RunSpec("redsock", "dynamic", k, want_spread(k, nclasses) if spread else None))
+    if "plain" in impls:
+        fastest = max(range(nclasses), key=lambda c: rates[c])
+        runs.append(RunSpec("plain", "-", 1, [fastest]))
+    return runs
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM/SIGHUP raise KeyboardInterrupt, so the testbed's ``finally`` runs for them too."""
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        for s in old:
+            signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        if in_main:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+@contextmanager
+def _no_interrupts() -> Iterator[None]:
+    """Hold off Ctrl-C / SIGTERM while tearing down, so a second one cannot leave namespaces."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.getsignal(s) for s in sigs}
+    for s in sigs:
+        signal.signal(s, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+_CLASS_RE = re.compile(r"^class htb 1:([0-9a-f]+) .*?\n\s*Sent (\d+) bytes (\d+) pkt \(dropped (\d+)",
+                       re.M | re.S)
+
+
+def class_counters(tb: PairTestbed) -> dict[int, dict[str, int]]:
+    """Bytes/packets/drops sent so far by each path class of a's egress (``tc -s class show``)."""
+    h = tb.host("a")
+    out = nx.run(["tc", "-n", h.ns, "-s", "class", "show", "dev", h.dev]).stdout
+    counters = {}
+    for block in out.split("\n\n"):
+        m = _CLASS_RE.search(block.strip())
+        if m and int(m.group(1), 16) >= 0x10:
+            counters[int(m.group(1), 16) - 0x10] = {"bytes": int(m.group(2)), "pkts": int(m.group(3)),
+                                                    "drops": int(m.group(4))}
+    return counters
+
+
+def _start_listener(tb: PairTestbed, log: Any) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "redsock", "bench", "transport",
+            "--listen", f"{tb.host_addr('b')}:{LISTEN_PORT}"]
+    proc = tb.popen("b", argv, stdout=subprocess.PIPE, stderr=log, text=True)
+    got: dict[str, str] = {}
+
+    def read() -> None:
+        got["line"] = proc.stdout.readline() if proc.stdout else ""
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(30)
+    if not got.get("line", "").startswith("listening"):
+        raise RedsockError(f"the listener in {tb.ns('b')} did not start: {got.get('line', '')!r}; "
+                           f"stderr: {_tail(log)}")
+    return proc
+
+
+def _tail(log: Any, n: int = 2000) -> str:
+    try:
+        log.flush()
+        with open(log.name) as f:
+            return f.read()[-n:].strip()
+    except OSError:
+        return ""
+
+
+def _drive_in_a(tb: PairTestbed, spec: RunSpec, want: list[int] | None, config: Config,
+                args: argparse.Namespace, nclasses: int, listener: subprocess.Popen[str],
+                log: Any) -> list[TransportRow]:
+    env = {**os.environ,
+           "REDSOCK_NSOCKS": str(spec.nsocks), "REDSOCK_BALANCE": spec.balance if spec.impl == "redsock"
+           else config.balance, "REDSOCK_CHUNK_BYTES": str(config.chunk_bytes),
+           "REDSOCK_NOTSENT_LOWAT": str(config.notsent_lowat)}
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    argv = [sys.executable, "-m", "redsock.bench.transport_testbed", "drive",
+            "--connect", f"{tb.host_addr('b')}:{LISTEN_PORT}", "--impl", spec.impl,
+            "--sizes", args.sizes, "--iters", str(args.iters), "--reps", str(args.reps),
+            "--nclasses", str(nclasses), "--shift", str(tb.shift),
+            "--want", ",".join(map(str, want or [])), "--max-attempts", str(args.max_attempts)]
+    before = class_counters(tb)
+    proc = tb.popen("a", argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate()
+    after = class_counters(tb)
+    if proc.returncode != 0:
+        time.sleep(0.5)  # let a failing listener finish exiting, so its state and log are known
+        state = f"exited with {listener.returncode}" if listener.poll() is not None else "still running"
+        why = f"[listener {state}; its log: {_tail(log) or '(empty)'}]"
+        raise RedsockError(f"driver run {spec.label} failed (exit {proc.returncode}): "
+                           f"{err.strip()[-2000:]} {why}".strip())
+    if err.strip():
+        sys.stderr.write(err)
+    rows = []
+    for line in out.splitlines():
+        if line.strip().startswith("{"):
+            d = json.loads(line)
+            rows.append(TransportRow(**d))
+    sent = {c: after[c]["bytes"] - before.get(c, {"bytes": 0})["bytes"] for c in after}
+    drops = {c: after[c]["drops"] - before.get(c, {"drops": 0})["drops"] for c in after}
+    for r in rows:  # per-class counters cover the whole run (warm-up and every size)
+        r.extra["class_sent_bytes"] = [sent.get(c, 0) for c in range(nclasses)]
+        r.extra["class_drops"] = [drops.get(c, 0) for c in range(nclasses)]
+    return rows
+
+
+def annotate(row: TransportRow, rates: Sequence[int], shift: int) -> None:
+    """Classes hit, capacity and the share of each stream, into ``row.extra``."""
+    n = len(rates)
+    ports = row.extra["src_ports"]
+    classes = [path_class(p, n, shift) for p in ports]
+    hit = sorted(set(classes))
+    cap = sum(rates[c] for c in hit)
+    per_class = {c: classes.count(c) for c in hit}
+    total = sum(row.extra.get("bytes_per_stream", [])) or 1
+    streams = []
+    for i, (p, c) in enumerate(zip(ports, classes)):
+        fair = rates[c] / per_class[c]  # the class shared evenly by its streams
+        streams.append({
+            "port": p, "class": c, "class_rate": rates[c], "fair_bps": fair,
+            "bytes": row.extra["bytes_per_stream"][i], "slices": row.extra["slices_per_stream"][i],
+            "mbps": row.extra["stream_mbps"][i], "tail_ms": row.extra["tail_ms"][i],
+            "share": row.extra["bytes_per_stream"][i] / total, "ideal_share": fair / cap,
+        })
+    row.extra.update({
+        "classes": classes, "classes_hit": hit, "capacity_bps": cap,
+        "goodput_capacity_bps": cap * GOODPUT_FACTOR, "goodput_factor": GOODPUT_FACTOR,
+        "pct_capacity": row.gbps * 1e9 / cap, "pct_goodput": row.gbps * 1e9 / (cap * GOODPUT_FACTOR),
+        "streams": streams, "rates": list(rates),
+    })
+
+
+def ratios(rows: list[TransportRow]) -> list[dict[str, Any]]:
+    """dynamic/static for each (size, nsocks) present in both, on the same classes."""
+    out = []
+    for d in rows:
+        if d.impl != "redsock" or d.balance != "dynamic":
+            continue
+        for s in rows:
+            if (s.impl == "redsock" and s.balance == "static" and s.bytes == d.bytes
+                    and s.nsocks == d.nsocks and s.gbps > 0):
+                same = sorted(d.extra["classes"]) == sorted(s.extra["classes"])
+                out.append({"bytes": d.bytes, "nsocks": d.nsocks, "dynamic_gbps": d.gbps,
+                            "static_gbps": s.gbps, "ratio": d.gbps / s.gbps, "same_classes": same})
+                d.extra["dynamic_over_static"] = d.gbps / s.gbps
+    return out
+
+
+def _mbit(bps: float) -> str:
+    return f"{bps / 1e6:.0f}"
+
+
+def format_table(rows: list[TransportRow], rates: Sequence[int]) -> str:
+    head = (f"{'size':>8} {'impl':>7} {'balance':>7} {'streams':>7} {'stream classes':>15} "
+            f"{'hit':>8} {'cap Mbit':>8} {'good Mbit':>9} {'Gbit/s':>7} {'% cap':>6} {'% good':>6} "
+            f"{'reps Gbit/s':>18}")
+    lines = [f"path classes (Mbit/s): " + ", ".join(f"{i}={_mbit(r)}" for i, r in enumerate(rates))
+             + f"; goodput capacity = {GOODPUT_FACTOR} x configured", head, "-" * len(head)]
+    for r in rows:
+        e = r.extra
+        reps = ",".join(f"{g:.2f}" for g in e.get("rep_gbps", []))
+        lines.append(
+            f"{_human(r.bytes):>8} {r.impl:>7} {r.balance:>7} {r.nsocks:>7} "
+            f"{''.join(map(str, e['classes'])):>15} {','.join(map(str, e['classes_hit'])):>8} "
+            f"{_mbit(e['capacity_bps']):>8} {_mbit(e['goodput_capacity_bps']):>9} {r.gbps:7.3f} "
+            f"{100 * e['pct_capacity']:6.1f} {100 * e['pct_goodput']:6.1f} {reps:>18}")
+    return "\n".join(lines)
+
+
+def format_streams(rows: list[TransportRow]) -> str:
+    head = (f"{'run':>16} {'#':>2} {'port':>5} {'cls':>3} {'cls Mbit':>8} {'fair Mbit':>9} "
+            f"{'got Mbit':>8} {'share%':>6} {'ideal%':>6} {'slices':>7} {'tail ms':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.impl != "redsock":
+            continue
+        label = f"{_human(r.bytes)} {r.balance}x{r.nsocks}"
+        for i, s in enumerate(r.extra["streams"]):
+            lines.append(f"{label if i == 0 else '':>16} {i:>2} {s['port']:>5} {s['class']:>3} "
+                         f"{_mbit(s['class_rate']):>8} {_mbit(s['fair_bps']):>9} {s['mbps']:8.1f} "
+                         f"{100 * s['share']:6.1f} {100 * s['ideal_share']:6.1f} {s['slices']:>7} "
+                         f"{s['tail_ms']:7.1f}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``redsock bench transport --testbed PROFILE``: build, measure every configuration, tear down."""
+    if args.testbed not in PROFILES:
+        raise ConfigError(f"unknown testbed profile {args.testbed!r}; choose one of {', '.join(PROFILES)}")
+    nx.require_root("redsock bench transport --testbed")
+    if args.sizes == _TRANSPORT_DEFAULT_SIZES:  # not given: the acceptance size, not the latency sweep
+        args.sizes = TESTBED_DEFAULT_SIZES
+    rates = _rates(args.rates)
+    config = Config.from_env(nsocks=args.nsocks, chunk_bytes=parse_size(args.chunk) if args.chunk else None,
+                             notsent_lowat=parse_size(args.lowat) if args.lowat is not None else None)
+    tb = PairTestbed(rates, args.prefix or f"rsbt{os.getpid()}")  # validates rates and prefix
+    nclasses = len(rates)
+    runs = plan_runs(args, config, nclasses, rates)
+    rows = run_testbed(tb, runs, config, args, nclasses)
+    for r in rows:
+        annotate(r, rates, tb.shift)
+    rat = ratios(rows)
+    print(format_table(rows, rates))
+    print()
+    print(format_streams(rows))
+    print()
+    print(f"chunk {_human(config.chunk_bytes)}, TCP_NOTSENT_LOWAT "
+          f"{_human(config.notsent_lowat) if config.notsent_lowat else 'off'}, "
+          f"{args.iters} messages in flight-window per rep, {args.reps} reps, median reported")
+    for x in rat:
+        print(f"{_human(x['bytes']):>8} dynamic/static over {x['nsocks']} streams = {x['ratio']:.2f}x "
+              f"({x['dynamic_gbps']:.3f} / {x['static_gbps']:.3f} Gbit/s; "
+              f"{'same classes' if x['same_classes'] else 'DIFFERENT classes'})")
+    for d in rows:
+        if d.impl == "redsock" and d.balance == "dynamic" and d.nsocks >= nclasses:
+            r = next((x for x in rat if x["bytes"] == d.bytes and x["nsocks"] == d.nsocks), None)
+            ok_cap = d.extra["pct_capacity"] >= ACCEPT_PCT
+            line = (f"{_human(d.bytes):>8} acceptance ({d.nsocks} streams): dynamic at "
+                    f"{100 * d.extra['pct_capacity']:.1f}% of configured capacity "
+                    f"({100 * d.extra['pct_goodput']:.1f}% of goodput capacity) "
+                    f"{'>=' if ok_cap else '<'} {100 * ACCEPT_PCT:.0f}% [verdict on configured]")
+            if r is not None:
+                line += (f"; {r['ratio']:.2f}x static {'>=' if r['ratio'] >= ACCEPT_RATIO else '<'} "
+                         f"{ACCEPT_RATIO}x")
+            print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            for r in rows:
+                f.write(json.dumps(asdict(r)) + "\n")
+    return 0
+
+
+def run_testbed(tb: PairTestbed, runs: list[RunSpec], config: Config, args: argparse.Namespace,
+                nclasses: int) -> list[TransportRow]:
+    """Bring ``tb`` up, serve in b, drive each run from a; always tear down (also on signals)."""
+    rows: list[TransportRow] = []
+    landed: dict[str, list[int]] = {}
+    with _terminate_as_interrupt(), tempfile.NamedTemporaryFile("w+", prefix="redsock-listener-",
+                                                                suffix=".log") as log:
+        try:
+            tb.up()
+            listener = _start_listener(tb, log)
+            for spec in runs:
+                want = landed.get(spec.match) if spec.match else spec.want
+                got = _drive_in_a(tb, spec, want, config, args, nclasses, listener, log)
+                if got:
+                    landed[spec.label] = sorted(path_class(p, nclasses, tb.shift)
+                                                for p in got[0].extra["src_ports"])
+                rows.extend(got)
+        finally:
+            with _no_interrupts():
+                tb.down()
+    return rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "drive":
+        try:
+            raise SystemExit(_drive_main(sys.argv[2:]))
+        except RedsockError as e:
+            print(f"redsock bench driver: error: {e}", file=sys.stderr)
+            raise SystemExit(2)
+    print("usage: python -m redsock.bench.transport_testbed drive --connect HOST:PORT ...", file=sys.stderr)
+    raise SystemExit(2)

@@ -28,15 +28,36 @@ def build_parser() -> argparse.ArgumentParser:
     bench_allreduce.add_arguments(ba)
     ba.set_defaults(func=bench_allreduce.run)
 
+    srv = sub.add_parser("serve", help="run a reduction server (stops on SIGTERM/SIGINT)")
+    srv.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
+    srv.add_argument("--port", type=int, default=7700, help="port (default 7700)")
+    srv.add_argument("--token-file", help="shared secret every worker must prove (HMAC handshake)")
+    srv.add_argument("--threads", type=int, help="at most this many pieces summed at once (default: no limit)")
+    srv.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    srv.set_defaults(func=_serve)
+
     from .testbed.cli import add_parser as add_testbed_parser
 
     add_testbed_parser(sub)
     return p
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .config import Config, read_token_file
+    from .server import ReductionServer
+
+    overrides = {"token": read_token_file(args.token_file)} if args.token_file else {}
+    server = ReductionServer(args.host, args.port, config=Config.from_env(**overrides), threads=args.threads,
+                             metrics_port=args.metrics_port)
+    print(f"redsock reduction server on {server.address[0]}:{server.address[1]}", flush=True)
+    server.serve_forever()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
+    # The daemon logs joins and leaves at INFO: one line each.
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose + (args.command == "serve"), 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return int(args.func(args) or 0)

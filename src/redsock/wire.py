@@ -251,3 +251,76 @@ def decode_slice(data: bytes | memoryview, max_message: int) -> SliceRecord:
     if length == 0 or offset + length > total:
         raise ProtocolError(f"slice [{offset}, {offset + length}) outside a message of {total} bytes")
     return SliceRecord(length, tag, seq, total, offset, check)
+
+
+# --- reduction-server protocol -------------------------------------------------
+#
+# A worker opens one Fast Socket connection to each reduction server.  Per
+# all-reduce it sends, on tag ANNOUNCE_TAG, one Announce describing the call;
+# then each of its pieces for that server on tag piece_tag(op_seq, piece); the
+# server answers each piece with the reduced piece on the same tag.
+
+ANNOUNCE_TAG = 1
+PIECE_BITS = 24
+MAX_PIECES = (1 << PIECE_BITS) - 1
+MAX_WORLD = 1 << 14
+_ANNOUNCE = struct.Struct("<4sQQBBHHHQQHH")
+ANNOUNCE_SIZE = _ANNOUNCE.size
+FLAG_DETERMINISTIC = 1
+
+
+@dataclass(frozen=True)
+class Announce:
+    """One all-reduce as one server sees it: which job, call, dtype, op and pieces."""
+
+    job: int
+    op_seq: int
+    dtype_code: int
+    op_code: int
+    world: int
+    rank: int
+    flags: int
+    count: int  # elements in the whole buffer
+    piece_elems: int  # elements per piece (the last may be shorter)
+    nservers: int
+    server_index: int  # this server owns pieces i with i % nservers == server_index
+
+    def encode(self) -> bytes:
+        return _ANNOUNCE.pack(MAGIC, self.job, self.op_seq, self.dtype_code, self.op_code, self.world,
+                              self.rank, self.flags, self.count, self.piece_elems, self.nservers,
+                              self.server_index)
+
+    @property
+    def npieces(self) -> int:
+        return -(-self.count // self.piece_elems) if self.count else 0
+
+    def my_pieces(self) -> range:
+        return range(self.server_index, self.npieces, self.nservers)
+
+    def piece_range(self, piece: int) -> tuple[int, int]:
+        lo = piece * self.piece_elems
+        return lo, min(self.count, lo + self.piece_elems)
+
+
+def decode_announce(data: bytes | memoryview, *, max_elements: int, valid_dtype, valid_op) -> Announce:
+    """Validate every field; ``valid_dtype``/``valid_op`` raise on unknown codes."""
+    if len(data) != ANNOUNCE_SIZE:
+        raise ProtocolError(f"announce is {len(data)} bytes, expected {ANNOUNCE_SIZE}")
+    magic, job, op_seq, dt, op, world, rank, flags, count, piece, nservers, index = _ANNOUNCE.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad announce record (magic {magic!r})")
+    valid_dtype(dt)
+    valid_op(op)
+    if not 1 <= world <= MAX_WORLD or rank >= world:
+        raise ProtocolError(f"rank {rank} of world {world} is out of range")
+    if count > max_elements or piece == 0 or (count and -(-count // piece) > MAX_PIECES):
+        raise ProtocolError(f"{count} elements in pieces of {piece} is out of range")
+    if not 1 <= nservers <= 4096 or index >= nservers:
+        raise ProtocolError(f"server index {index} of {nservers}")
+    if op_seq >= (1 << (64 - PIECE_BITS)) - 1:
+        raise ProtocolError(f"operation number {op_seq} out of range")
+    return Announce(job, op_seq, dt, op, world, rank, flags, count, piece, nservers, index)
+
+
+def piece_tag(op_seq: int, piece: int) -> int:
+    return ((op_seq + 1) << PIECE_BITS) | piece  # +1: never collides with ANNOUNCE_TAG

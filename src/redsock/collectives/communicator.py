@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 import re
 import threading
 import zlib
@@ -17,8 +18,9 @@ from .. import ops
 from ..bootstrap import PeerTable
 from ..config import Config, KiB
 from ..errors import ConfigError, PeerFailure, RedsockError, TransportError
-from . import ring, small
+from . import ring, server_client, small
 from .context import CallContext, ScratchPool
+from .server_client import ServerGroup
 
 log = logging.getLogger("redsock.collectives")
 
@@ -31,7 +33,10 @@ _P2P_TAG = 1 << 61
 _FAILED_RE = re.compile(r"\[failed ranks: ([0-9, ]+)\]")
 
 Algorithm = Callable[[CallContext, np.ndarray, ops.ReduceOp], None]
-ALLREDUCE_ALGORITHMS: dict[str, Algorithm] = {"ring": ring.all_reduce, "small": small.all_reduce}
+ALLREDUCE_ALGORITHMS: dict[str, Algorithm] = {"ring": ring.all_reduce, "small": small.all_reduce,
+                                               "server": server_client.all_reduce}
+# With servers configured, `auto` sends all-reduces of at least this size to them.
+SERVER_MIN_BYTES = 64 * KiB
 
 
 class Work:
@@ -73,6 +78,9 @@ class Communicator:
         self._failure: PeerFailure | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._pool = ScratchPool()
+        self.servers: ServerGroup | None = None
+        if self.config.servers:
+            self.servers = ServerGroup(self.config.servers, self.config, self._job_id(store), rank, world_size)
         self._closed = False
 
     # -- public collectives ---------------------------------------------------
@@ -155,6 +163,8 @@ class Communicator:
         self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.servers is not None:
+            self.servers.close()
         self.peers.close()
 
     def __enter__(self) -> "Communicator":
@@ -166,6 +176,8 @@ class Communicator:
     def choose_algorithm(self, nbytes: int, algorithm: str | None) -> str:
         algo = algorithm or self.config.algo
         if algo == "auto":
+            if self.servers is not None and nbytes >= SERVER_MIN_BYTES:
+                return "server"
             return "small" if nbytes <= SMALL_MAX_BYTES else "ring"
         if algo not in ALLREDUCE_ALGORITHMS:
             raise ConfigError(f"unknown all-reduce algorithm {algo!r}; choose from auto, "
@@ -173,6 +185,14 @@ class Communicator:
         return algo
 
     # -- machinery ------------------------------------------------------------------
+
+    def _job_id(self, store: Any) -> int:
+        """A job id all ranks share (rank 0 draws it), so servers keep jobs apart."""
+        key = self.peers.prefix + "job"
+        if self.rank == 0:
+            store.set(key, str(random.getrandbits(63)))
+        value = store.get(key)
+        return int(value.decode() if isinstance(value, bytes) else value)
 
     def _run(self, name: str, signature: tuple, body: Callable[[CallContext], None], async_op: bool
              ) -> Work | None:
@@ -182,7 +202,7 @@ class Communicator:
             self._seq += 1
         check = _signature_check(name, signature)
         ctx = CallContext(self.peers, self.rank, self.world_size, _COLLECTIVE_TAG | seq, check,
-                          self.config.timeout_s, self._pool)
+                          self.config.timeout_s, self._pool, seq, self.servers)
 
         def call() -> None:
             try:
@@ -216,8 +236,8 @@ class Communicator:
             return err
         ranks = _failed_ranks(err, self.peers)
         call = f"{name} #{seq}" if seq is not None else name
-        failure = PeerFailure(f"rank {self.rank}: {call} failed: rank(s) {', '.join(map(str, ranks)) or '?'} "
-                              f"failed: {err}", ranks=tuple(ranks))
+        who = f"rank(s) {', '.join(map(str, ranks))} failed: " if ranks else ""
+        failure = PeerFailure(f"rank {self.rank}: {call} failed: {who}{err}", ranks=tuple(ranks))
         if self._failure is None:
             self._failure = failure
             reason = f"[failed ranks: {', '.join(map(str, ranks))}] rank {self.rank} gives up: {err}"

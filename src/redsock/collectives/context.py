@@ -51,6 +51,8 @@ class CallContext:
     check: int
     timeout_s: float
     pool: ScratchPool = field(default_factory=ScratchPool)
+    seq: int = 0  # the call's number (the same on every rank)
+    servers: Any = None  # the rank's ServerGroup, when reduction servers are configured
     taken: list[np.ndarray] = field(default_factory=list)
 
     def scratch(self, count: int, dtype: np.dtype) -> np.ndarray:

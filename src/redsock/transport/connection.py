@@ -321,8 +321,8 @@ class Connection:
             self._ctrl_tx_cv.notify_all()
         for h in pending:
             h._fail(err)
-        if not self._closed:  # an idle peer going away is normal shutdown, not worth a warning
-            log.log(logging.WARNING if pending else logging.DEBUG, "connection to %s failed: %s", self.peer, err)
+        if not self._closed:  # callers see it as an exception; the log is for debugging
+            log.debug("connection to %s failed (%d operations pending): %s", self.peer, len(pending), err)
         if notify_peer:  # best effort, so the peer can say why rather than "connection closed"
             try:
                 self._ctrl.send(wire.encode_abort(str(err)), socket.MSG_DONTWAIT)

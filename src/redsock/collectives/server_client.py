@@ -1,0 +1,99 @@
+"""All-reduce through reduction servers: each piece goes out once and comes back reduced once.
+
+The buffer is cut into pieces of ``REDSOCK_PIECE_BYTES``; piece i belongs to
+server i mod S (the same on every rank, and balanced by bytes).  A worker
+announces the call to each server, then streams its pieces with at most
+``WINDOW`` outstanding per server, while the reduced pieces stream back
+straight into the caller's array: pushing piece i+1 overlaps pulling piece i.
+Per worker that is S bytes out and S bytes in, whatever the number of workers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import numpy as np
+
+from .. import ops, wire
+from ..config import Config, parse_hostport
+from ..errors import PeerFailure, RedsockError, TransportError
+from ..server.daemon import WINDOW
+from ..transport import Connection, Handle, connect
+from .context import CallContext, flat
+
+
+class ServerGroup:
+    """This rank's connections to the reduction servers, (re)opened on demand."""
+
+    def __init__(self, servers: tuple[str, ...], config: Config, job: int, rank: int, world: int):
+        self.addresses = [parse_hostport(s) for s in servers]
+        self.config, self.job, self.rank, self.world = config, job, rank, world
+        self._conns: list[Connection | None] = [None] * len(self.addresses)
+        self._lock = threading.Lock()
+
+    def conn(self, i: int) -> Connection:
+        with self._lock:
+            c = self._conns[i]
+            if c is None or c.closed:  # a restarted reducer is used again from the next call
+                if c is not None:
+                    c.close()
+                c = self._conns[i] = connect(self.addresses[i], config=self.config, name=f"rank{self.rank}",
+                                             peer_name=f"reduction server {self.name(i)}")
+            return c
+
+    def name(self, i: int) -> str:
+        return "%s:%d" % self.addresses[i]
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._conns:
+                if c is not None:
+                    c.close()
+            self._conns = [None] * len(self.addresses)
+
+
+def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
+    group = ctx.servers
+    if group is None:
+        raise PeerFailure("algorithm 'server' needs reduction servers (REDSOCK_SERVERS or init(servers=...))")
+    xf = flat(x)
+    nserv = len(group.addresses)
+    piece = max(1, group.config.piece_bytes // xf.itemsize)
+    npieces = -(-xf.size // piece)
+    flags = wire.FLAG_DETERMINISTIC if group.config.deterministic else 0
+    current = 0
+    try:
+        used = range(min(nserv, npieces))
+        conns = {s: group.conn(s) for s in used}
+        for s in used:
+            current = s
+            ann = wire.Announce(group.job, ctx.seq, ops.dtype_code(x.dtype), op.code, ctx.world, ctx.rank, flags,
+                                xf.size, piece, nserv, s)
+            conns[s].isend(ann.encode(), wire.ANNOUNCE_TAG)
+        # Results land straight in x; safe before our piece has gone, because a reduced piece
+        # only comes back after the server has received every rank's contribution to it.
+        results: list[Handle] = []
+        for p in range(npieces):
+            lo, hi = p * piece, min(xf.size, (p + 1) * piece)
+            results.append(conns[p % nserv].irecv(xf[lo:hi], wire.piece_tag(ctx.seq, p)))
+        outstanding: dict[int, deque[Handle]] = {s: deque() for s in used}
+        sends: list[Handle] = []
+        for p in range(npieces):
+            s = current = p % nserv
+            if len(outstanding[s]) >= WINDOW:  # credits: the server has posted WINDOW receives
+                outstanding[s].popleft().wait(ctx.timeout_s)
+            lo, hi = p * piece, min(xf.size, (p + 1) * piece)
+            sends.append(conns[s].isend(xf[lo:hi], wire.piece_tag(ctx.seq, p)))
+            outstanding[s].append(results[p])
+        for p, h in enumerate(results):
+            current = p % nserv
+            h.wait(ctx.timeout_s)
+        for h in sends:
+            h.wait(ctx.timeout_s)
+    except TransportError as e:
+        if "[failed ranks:" in str(e):
+            raise  # the server diagnosed a failed worker: the communicator names it
+        raise PeerFailure(f"reduction server {group.name(current)} failed: {e}") from e
+    except RedsockError:
+        raise

@@ -1,0 +1,132 @@
+"""Summing pieces: the server's arithmetic and bookkeeping, with no sockets.
+
+A :class:`Round` is one all-reduce call of one job as this server sees it; it
+owns a :class:`Piece` per piece assigned to the server.  Each piece collects
+one contribution per rank and, once it has all of them, yields the reduced
+piece (in the workers' dtype) to send back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import ops
+from ..errors import ProtocolError
+
+
+class BufferPool:
+    """Reusable byte buffers, so steady-state rounds allocate nothing (and RSS stays flat)."""
+
+    def __init__(self, keep_bytes: int = 64 << 20):
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._kept = 0
+        self._keep = keep_bytes
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            bucket = self._free.get(nbytes)
+            if bucket:
+                self._kept -= nbytes
+                return bucket.pop()
+        return np.empty(nbytes, np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if self._kept + buf.nbytes <= self._keep:
+                self._free.setdefault(buf.nbytes, []).append(buf)
+                self._kept += buf.nbytes
+
+
+@dataclass
+class Piece:
+    """One piece of one round: contributions in, one reduced piece out."""
+
+    dtype: np.dtype
+    count: int
+    world: int
+    op: ops.ReduceOp
+    ordered: bool  # combine in rank order (bitwise repeatable from run to run)
+    pool: BufferPool
+    acc: np.ndarray | None = None
+    arrived: int = 0
+    next_rank: int = 0  # ordered mode: the next rank to combine
+    waiting: dict[int, np.ndarray] = field(default_factory=dict)  # ordered mode: arrived early
+    ranks_in: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, rank: int, contribution: np.ndarray) -> np.ndarray | None:
+        """Combine ``contribution`` (a pooled buffer, now owned by the piece) from ``rank``.
+
+        Returns the reduced piece (a pooled buffer in the workers' dtype) once every rank
+        has contributed, else None.
+        """
+        x = contribution[: self.count * self.dtype.itemsize].view(self.dtype)
+        with self.lock:
+            if rank in self.ranks_in:
+                raise ProtocolError(f"rank {rank} contributed to the same piece twice")
+            self.ranks_in.add(rank)
+            self.arrived += 1
+            if self.ordered:
+                self.waiting[rank] = contribution
+                while self.next_rank in self.waiting:
+                    buf = self.waiting.pop(self.next_rank)
+                    self._combine(buf[: self.count * self.dtype.itemsize].view(self.dtype))
+                    self.pool.give(buf)
+                    self.next_rank += 1
+            else:
+                self._combine(x)
+                self.pool.give(contribution)
+            if self.arrived < self.world:
+                return None
+            out_buf = self.pool.take(self.count * self.dtype.itemsize)
+            out = out_buf.view(self.dtype)
+            ops.finalize(self.acc, self.op, self.world, out)  # type: ignore[arg-type]
+            self.pool.give(self.acc.view(np.uint8).reshape(-1))  # type: ignore[union-attr]
+            self.acc = None
+            return out_buf
+
+    def _combine(self, x: np.ndarray) -> None:
+        if self.acc is None:
+            wide = ops.accum_dtype(self.dtype)
+            self.acc = ops.init_acc(x, self.pool.take(self.count * wide.itemsize).view(wide))
+        else:
+            ops.combine(self.acc, x, self.op)
+
+    def release(self) -> None:
+        """Give back what an aborted piece holds."""
+        with self.lock:
+            for buf in self.waiting.values():
+                self.pool.give(buf)
+            self.waiting.clear()
+            if self.acc is not None:
+                self.pool.give(self.acc.view(np.uint8).reshape(-1))
+                self.acc = None
+
+
+@dataclass
+class Round:
+    """One all-reduce call of one job at this server."""
+
+    job: int
+    op_seq: int
+    world: int
+    signature: tuple  # what every rank must agree on
+    pieces: dict[int, Piece]
+    started: float = field(default_factory=time.monotonic)
+    last_progress: float = field(default_factory=time.monotonic)
+    contributors: set[int] = field(default_factory=set)  # ranks that announced it
+    done_pieces: int = 0
+
+    def missing_ranks(self) -> list[int]:
+        """Ranks that have not delivered every piece (not announced, or stuck mid-way)."""
+        everyone = set(range(self.world))
+        missing = everyone - self.contributors
+        for piece in self.pieces.values():
+            if piece.arrived < self.world:
+                missing |= everyone - piece.ranks_in
+        return sorted(missing)

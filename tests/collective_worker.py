@@ -129,6 +129,68 @@ def dies(comm, rank, world):
     raise AssertionError("a dead rank went unnoticed")
 
 
+def server_matrix(comm, rank, world):
+    """Every op x dtype through the reduction servers (REDSOCK_SERVERS from the test)."""
+    for opname in OPS:
+        op = ops.ReduceOp.parse(opname)
+        for dname in DTYPES:
+            dt = ops.dtype_from_name(dname)
+            for n in (1, 7, 65537, 300_001):
+                x = make_input(n, dt, op, rank, 5)
+                comm.all_reduce(x, opname, algorithm="server")
+                wrong = count_wrong(x, reference(n, dt, op, world, 5))
+                assert wrong == 0, f"server {opname} {dname} n={n}: {wrong} wrong"
+                digest(x)
+
+
+def server_async(comm, rank, world):
+    """Several all-reduces in flight at once through the servers, then repeated for a while."""
+    for rep in range(int(os.environ.get("TEST_REPS", "3"))):
+        xs = [np.full(n, rank + i + rep, np.float32) for i, n in enumerate((5, 1 << 18, 3 << 20, 1000))]
+        works = [comm.all_reduce(x, algorithm="server", async_op=True) for x in xs]
+        for w in works:
+            w.wait(60)
+        for i, x in enumerate(xs):
+            assert np.all(x == sum(r + i + rep for r in range(world))), (rep, i)
+    digest(xs[2])
+
+
+def server_deterministic(comm, rank, world):
+    """Random float32 data: with REDSOCK_DETERMINISTIC=1 the bits repeat across runs."""
+    x = np.random.default_rng(rank).standard_normal(1 << 18).astype(np.float32)
+    comm.all_reduce(x, algorithm="server")
+    digest(x)
+
+
+def server_worker_dies(comm, rank, world):
+    x = np.ones(4 << 20, np.float32)
+    comm.all_reduce(x, algorithm="server")
+    if rank == world - 1:
+        threading.Timer(0.05, lambda: os._exit(9)).start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(200):
+            comm.all_reduce(x, algorithm="server")
+    except PeerFailure as e:
+        print(f"raised PeerFailure ranks={list(e.ranks)} after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+        return
+    raise AssertionError("a dead worker went unnoticed")
+
+
+def server_loop(comm, rank, world):
+    """All-reduce until the test kills a reducer: must raise, naming it, not hang."""
+    x = np.ones(1 << 20, np.float32)
+    print("looping", flush=True)
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < 60:
+            comm.all_reduce(x, algorithm="server")
+    except PeerFailure as e:
+        print(f"raised PeerFailure after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+        return
+    raise AssertionError("a dead reducer went unnoticed")
+
+
 def main():
     scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     from torch.distributed import TCPStore

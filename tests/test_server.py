@@ -1,0 +1,122 @@
+"""The reduction server with real worker processes (and real reducer processes) on loopback."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from redsock.config import Config
+from redsock.server import ReductionServer
+from test_collectives import digests, run_world
+
+
+def start_reducer(env=None):
+    """`redsock serve` in its own process on a free port; returns (proc, "host:port")."""
+    proc = subprocess.Popen([sys.executable, "-m", "redsock", "serve", "--host", "127.0.0.1", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    line = proc.stdout.readline()
+    m = re.search(r"on (\S+):(\d+)", line)
+    assert m, line + proc.stderr.read()
+    return proc, f"{m.group(1)}:{m.group(2)}"
+
+
+@pytest.fixture
+def reducers():
+    procs = []
+
+    def start(n, env=None):
+        started = [start_reducer(env) for _ in range(n)]
+        procs.extend(p for p, _ in started)
+        return [p for p, _ in started], ",".join(a for _, a in started)
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def ok(outs):
+    for r, (code, out, err) in enumerate(outs):
+        assert code == 0 and out.rstrip().endswith("ok"), f"rank {r}:\n{err[-3000:]}"
+
+
+def test_every_op_and_dtype_through_two_reducers(reducers):
+    _, servers = reducers(2)
+    outs = run_world("server_matrix", 3, env={"REDSOCK_SERVERS": servers, "REDSOCK_PIECE_BYTES": "64K"})
+    ok(outs)
+    assert len(digests(outs[0][1])) == 5 * 8 * 4
+    assert len({tuple(digests(out)) for _, out, _ in outs}) == 1  # bitwise identical on every rank
+
+
+def test_reducer_stops_cleanly_on_sigterm(reducers):
+    (proc,), _ = reducers(1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+
+
+def test_two_jobs_share_reducers_with_async_calls_in_flight(reducers):
+    _, servers = reducers(2)
+    env = {"REDSOCK_SERVERS": servers, "REDSOCK_PIECE_BYTES": "256K"}
+    results = {}
+    jobs = [threading.Thread(target=lambda k=k: results.__setitem__(k, run_world("server_async", 2 + k, env=env)))
+            for k in range(2)]
+    for t in jobs:
+        t.start()
+    for t in jobs:
+        t.join(240)
+    for k in range(2):
+        ok(results[k])
+
+
+def test_deterministic_mode_repeats_bitwise(reducers):
+    _, servers = reducers(2)
+    env = {"REDSOCK_SERVERS": servers, "REDSOCK_PIECE_BYTES": "64K", "REDSOCK_DETERMINISTIC": "1"}
+    runs = [run_world("server_deterministic", 4, env=env) for _ in range(3)]
+    for outs in runs:
+        ok(outs)
+    assert len({d for outs in runs for _, out, _ in outs for d in digests(out)}) == 1
+
+
+def test_killed_worker_fails_its_job_and_the_reducer_frees_it():
+    cfg = Config(timeout_s=10)
+    with ReductionServer("127.0.0.1", 0, config=cfg) as server:
+        addr = "%s:%d" % server.address
+        t0 = time.monotonic()
+        outs = run_world("server_worker_dies", 3, timeout=60,
+                         env={"REDSOCK_SERVERS": addr, "TEST_TIMEOUT_S": "10", "REDSOCK_PIECE_BYTES": "256K"})
+        assert time.monotonic() - t0 < 45
+        assert outs[-1][0] == 9
+        for r, (code, out, err) in enumerate(outs[:-1]):
+            assert code == 0, f"rank {r}:\n{err[-3000:]}"
+            assert "ranks=[2]" in out, out
+        deadline = time.monotonic() + 10
+        while server.stats()["rounds"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.stats() == {"jobs": 0, "rounds": 0}
+        # ... and it keeps serving the next job.
+        ok(run_world("server_async", 2, env={"REDSOCK_SERVERS": addr, "TEST_REPS": "1"}))
+
+
+def test_killed_reducer_makes_workers_raise(reducers):
+    (victim, _), servers = reducers(2)
+    env = {"REDSOCK_SERVERS": servers, "TEST_TIMEOUT_S": "10"}
+    killer = threading.Timer(4.0, victim.kill)
+    killer.start()
+    t0 = time.monotonic()
+    outs = run_world("server_loop", 3, timeout=90, env=env)
+    killer.cancel()
+    assert time.monotonic() - t0 < 40
+    for r, (code, out, err) in enumerate(outs):
+        assert code == 0, f"rank {r}:\n{err[-3000:]}"
+        assert "raised PeerFailure" in out and "reduction server" in out, out

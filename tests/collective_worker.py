@@ -191,6 +191,24 @@ def server_loop(comm, rank, world):
     raise AssertionError("a dead reducer went unnoticed")
 
 
+def server_fallback(comm, rank, world):
+    """Keep all-reducing while the test kills a reducer (and restarts it): every result correct."""
+    n = 1 << 20
+    print("looping", flush=True)
+    t0 = time.monotonic()
+    i = 0
+    stop = np.zeros(1, np.uint8)
+    while not stop[0]:
+        x = np.full(n, rank + i, np.float32)
+        comm.all_reduce(x, algorithm="server")
+        assert np.all(x == sum(r + i for r in range(world))), i
+        i += 1
+        # Rank 0's clock decides when to stop, so every rank runs the same number of calls.
+        stop[0] = rank == 0 and time.monotonic() - t0 > float(os.environ.get("TEST_SECONDS", "12"))
+        comm.all_reduce(stop, "max")
+    print(f"done {i} all-reduces", flush=True)
+
+
 def main():
     scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     from torch.distributed import TCPStore

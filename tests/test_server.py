@@ -120,3 +120,34 @@ def test_killed_reducer_makes_workers_raise(reducers):
     for r, (code, out, err) in enumerate(outs):
         assert code == 0, f"rank {r}:\n{err[-3000:]}"
         assert "raised PeerFailure" in out and "reduction server" in out, out
+
+
+def test_fallback_to_ring_when_a_reducer_dies_and_reuse_after_restart(reducers, caplog):
+    (victim, _), servers = reducers(2)
+    port = servers.split(",")[0].rsplit(":", 1)[1]
+    env = {"REDSOCK_SERVERS": servers, "REDSOCK_SERVER_FALLBACK": "ring", "TEST_TIMEOUT_S": "10",
+           "TEST_SECONDS": "12", "REDSOCK_PIECE_BYTES": "256K"}
+    restarted = []
+
+    def kill_then_restart():
+        victim.kill()
+        victim.wait()
+        time.sleep(3)
+        restarted.append(subprocess.Popen([sys.executable, "-m", "redsock", "serve", "--host", "127.0.0.1",
+                                           "--port", port], stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+
+    timer = threading.Timer(3.0, kill_then_restart)
+    timer.start()
+    try:
+        outs = run_world("server_fallback", 3, timeout=90, env=env)
+    finally:
+        timer.cancel()
+        logs = []
+        for p in restarted:
+            p.send_signal(signal.SIGTERM)
+            logs.append(p.communicate(timeout=10)[1].decode())
+    for r, (code, out, err) in enumerate(outs):
+        assert code == 0 and "done" in out, f"rank {r}:\n{err[-3000:]}"
+        assert "finishing it by ring" in err  # warned, and went on
+    assert restarted, "the reducer was never restarted"
+    assert "joined" in logs[0], logs  # the workers came back to the restarted reducer

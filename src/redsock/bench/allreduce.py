@@ -281,9 +281,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nprocs", type=int, help="start this many local ranks (else: RANK/WORLD_SIZE from the environment)")
     p.add_argument("--timeout", type=float, default=1800, help="with --nprocs: stop everything after this many seconds")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from . import allreduce_testbed
+
+    allreduce_testbed.add_arguments(p)  # --testbed --workers --servers --rate --profile --prefix
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "testbed", False):
+        from . import allreduce_testbed
+
+        return allreduce_testbed.run(args)  # one rank per namespace of an emulated cluster
     if args.nprocs:
         if args.nprocs < 1:
             raise ConfigError("--nprocs must be >= 1")

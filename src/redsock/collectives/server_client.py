@@ -10,6 +10,7 @@ Per worker that is S bytes out and S bytes in, whatever the number of workers.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 
@@ -17,10 +18,13 @@ import numpy as np
 
 from .. import ops, wire
 from ..config import Config, parse_hostport
-from ..errors import PeerFailure, RedsockError, TransportError
+from ..errors import PeerFailure, TransportError
 from ..server.daemon import WINDOW
 from ..transport import Connection, Handle, connect
+from . import ring, small
 from .context import CallContext, flat
+
+log = logging.getLogger("redsock.collectives")
 
 
 class ServerGroup:
@@ -57,6 +61,31 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
     group = ctx.servers
     if group is None:
         raise PeerFailure("algorithm 'server' needs reduction servers (REDSOCK_SERVERS or init(servers=...))")
+    if group.config.server_fallback != "ring" or ctx.world == 1:
+        _through_servers(ctx, group, x, op)
+        return
+    # Fallback armed: keep the input, and let every rank agree on the outcome, so that
+    # either all ranks keep the servers' result or all redo the call by ring.
+    saved = ctx.scratch(x.size, x.dtype)
+    saved[:] = flat(x)
+    failure: PeerFailure | None = None
+    try:
+        _through_servers(ctx, group, x, op)
+    except PeerFailure as e:
+        if "[failed ranks:" in str(e):
+            raise  # a worker failed, not a reducer: ring cannot help
+        failure = e
+    ok = np.array([0 if failure else 1], np.uint8)
+    small.all_reduce(ctx, ok, ops.ReduceOp.MIN)
+    if ok[0]:
+        return
+    log.warning("all-reduce #%d: %s; finishing it by ring all-reduce (REDSOCK_SERVER_FALLBACK=ring)",
+                ctx.seq, failure or "a reduction server failed on another rank")
+    flat(x)[:] = saved
+    ring.all_reduce(ctx, x, op)
+
+
+def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: ops.ReduceOp) -> None:
     xf = flat(x)
     nserv = len(group.addresses)
     piece = max(1, group.config.piece_bytes // xf.itemsize)
@@ -65,7 +94,10 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
     current = 0
     try:
         used = range(min(nserv, npieces))
-        conns = {s: group.conn(s) for s in used}
+        conns = {}
+        for s in used:
+            current = s
+            conns[s] = group.conn(s)
         for s in used:
             current = s
             ann = wire.Announce(group.job, ctx.seq, ops.dtype_code(x.dtype), op.code, ctx.world, ctx.rank, flags,
@@ -92,8 +124,9 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
         for h in sends:
             h.wait(ctx.timeout_s)
     except TransportError as e:
+        # Receives may still be posted into x on the other servers' connections: closing
+        # them all guarantees no late result lands in x.  The next call reconnects.
+        group.close()
         if "[failed ranks:" in str(e):
             raise  # the server diagnosed a failed worker: the communicator names it
         raise PeerFailure(f"reduction server {group.name(current)} failed: {e}") from e
-    except RedsockError:
-        raise

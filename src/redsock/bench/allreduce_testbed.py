@@ -1,0 +1,449 @@
+"""``redsock bench allreduce --testbed``: the all-reduce sweep on an emulated cluster.
+
+Builds a :class:`~redsock.testbed.Testbed` star — workers ``w0..`` and reducers
+``s0..``, every host link shaped to ``--rate`` in both directions — then
+
+* starts one ``redsock serve`` per reducer host, listening on that host's address;
+* starts one rank per worker host running this same ``bench allreduce`` command
+  (minus the testbed options) with the torchrun variables (``MASTER_ADDR`` = w0's
+  address, rank 0 hosts the store there), ``REDSOCK_SERVERS`` naming the reducers
+  and ``GLOO_SOCKET_IFNAME`` the host's interface, so every algorithm of
+  ``--algo`` (e.g. ``server,ring,gloo``) is measured on the same ranks in one run;
+* relays rank 0's tables, adds a summary against the link — the link rate, its
+  payload goodput (``rate x GOODPUT_FACTOR``: tc counts frame headers, the testbed
+  measured 95.6 % goodput) and per size each redsock algorithm's algbw as a share
+  of it and as a ratio to gloo's, next to the ideal ratio (``2(N-1)/N`` for the
+  reduction server) — plus the reducers' peak RSS and the CPU the run took;
+* writes ``--json`` / ``--plot`` from rank 0's rows (each row's ``extra.testbed``
+  records the topology).
+
+The testbed is always torn down: on success, on any error, on Ctrl-C and on
+SIGTERM/SIGHUP.  The whole run is bounded by ``--timeout``; the exit status is
+non-zero if any rank (or a reducer) fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, Any, Sequence
+
+from ..errors import ConfigError, RedsockError
+from ..testbed import netns as nx
+from ..testbed.cluster import PROFILES, Testbed
+from ..testbed.netns import format_rate, parse_rate
+from . import report
+
+__all__ = ["GOODPUT_FACTOR", "add_arguments", "child_argv", "run", "summary_table"]
+
+#: Payload goodput of a shaped testbed link as a share of its configured rate
+#: (tc counts Ethernet/IP/TCP headers; measured on this testbed at a 1500-byte MTU).
+GOODPUT_FACTOR = 0.956
+MASTER_PORT = 29500
+SERVER_PORT = 7700
+SERVER_START_S = 30.0
+#: Options that belong to the launcher (this module and ``--nprocs``), not to the ranks.
+_LAUNCHER_DESTS = {"nprocs", "timeout", "json", "plot", "no_progress"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("emulated cluster (--testbed; needs root)")
+    g.add_argument("--testbed", action="store_true",
+                   help="run every rank in its own network namespace with shaped links, "
+                        "and one reduction server per reducer host")
+    g.add_argument("--workers", type=int, default=4, help="with --testbed: worker hosts / ranks (default 4)")
+    g.add_argument("--servers", type=int, help="with --testbed: reducer hosts (default: as many as workers)")
+    g.add_argument("--rate", default="2gbit", help="with --testbed: link rate each way, e.g. 2gbit, 800mbit")
+    g.add_argument("--profile", default="uniform", choices=PROFILES,
+                   help="with --testbed: uniform | perflow | slow-server (reducer s0 at rate/2)")
+    g.add_argument("--prefix", help="with --testbed: namespace prefix (default rsar<pid>)")
+
+
+def _testbed_dests() -> set[str]:
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    return {a.dest for a in p._actions}
+
+
+def child_argv(args: argparse.Namespace, json_path: str | None) -> list[str]:
+    """The ``redsock bench allreduce ...`` argv each rank runs: every bench option that
+    differs from its default, none of the launcher's, ``--json json_path``, no progress bar.
+
+    Built from the parser itself (``allreduce.add_arguments``), so options added there
+    later travel too, and abbreviations on the command line cannot slip through.
+    """
+    from . import allreduce
+
+    parser = argparse.ArgumentParser(add_help=False)
+    allreduce.add_arguments(parser)
+    skip = _testbed_dests() | _LAUNCHER_DESTS
+    out = ["bench", "allreduce"]
+    for action in parser._actions:
+        if action.dest in skip or not action.option_strings or not hasattr(args, action.dest):
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        opt = max(action.option_strings, key=len)  # the long form
+        if isinstance(action, argparse._StoreTrueAction):
+            out.append(opt)
+        elif isinstance(action, argparse._StoreFalseAction):
+            out.append(opt)
+        elif isinstance(action, argparse._StoreAction) and value is not None:
+            out += [opt, str(value)]
+        elif value is not None:
+            raise ConfigError(f"--testbed cannot forward option {opt} ({type(action).__name__})")
+    out.append("--no-progress")
+    if json_path:
+        out += ["--json", json_path]
+    return out
+
+
+# -- the summary -------------------------------------------------------------------
+
+def ideal_over_gloo(algo: str, world: int) -> float | None:
+    """algbw ratio against gloo's ring when both are link-bound: a reduction server moves
+    S each way per worker against 2S(N-1)/N for a ring; a ring matches a ring."""
+    if algo == "server":
+        return 2 * (world - 1) / world if world > 1 else None
+    if algo == "ring":
+        return 1.0
+    return None
+
+
+def summary_table(rows: Sequence[report.Row], rate_bps: int, workers: int, servers: int,
+                  profile: str) -> str:
+    """Per size, each redsock algorithm's algbw against the link goodput and against gloo."""
+    goodput = rate_bps * GOODPUT_FACTOR / 8 / 1e9  # GB/s of payload one link direction carries
+    out = [f"# testbed: {workers} workers, {servers} reducers, {profile} links at {format_rate(rate_bps)} "
+           f"each way; link goodput = {format_rate(rate_bps)} x {GOODPUT_FACTOR} = {goodput:.4f} GB/s",
+           "# algbw in GB/s; %good = algbw / link goodput; /gloo = algbw / gloo's algbw in this run; "
+           "ideal = 2(N-1)/N for server, 1 for ring"]
+    gloo = {(r.world, r.bytes, r.dtype, r.op): r for r in rows if r.algo == "gloo"}
+    head = f"#{'size':>9} {'algo':>7} {'algbw':>9} {'%good':>7} {'gloo':>9} {'/gloo':>7} {'ideal':>6} {'#wrong':>7}"
+    out += [head]
+    for r in rows:
+        if r.algo == "gloo":
+            continue
+        g = gloo.get((r.world, r.bytes, r.dtype, r.op))
+        ideal = ideal_over_gloo(r.algo, r.world)
+        out.append(
+            f"{report.human_size(r.bytes, sep=''):>10} {r.algo:>7} {r.algbw_GBps:9.4f} "
+            f"{100 * r.algbw_GBps / goodput:6.1f}% "
+            f"{(f'{g.algbw_GBps:9.4f}' if g else '-'):>9} "
+            f"{(f'{r.algbw_GBps / g.algbw_GBps:7.2f}' if g and g.algbw_GBps > 0 else '-'):>7} "
+            f"{(f'{ideal:6.2f}' if ideal else '-'):>6} {('N/A' if r.wrong < 0 else str(r.wrong)):>7}")
+    for r in rows:
+        if r.algo == "gloo":
+            out.append(f"{report.human_size(r.bytes, sep=''):>10} {'gloo':>7} {r.algbw_GBps:9.4f} "
+                       f"{100 * r.algbw_GBps / goodput:6.1f}% {'':>9} {'':>7} {'':>6} "
+                       f"{('N/A' if r.wrong < 0 else str(r.wrong)):>7}")
+    return "\n".join(out)
+
+
+# -- processes ---------------------------------------------------------------------
+
+@dataclass
+class _Proc:
+    name: str
+    proc: subprocess.Popen[Any]
+    log: Path
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:].strip()
+    except OSError:
+        return ""
+
+
+def _proc_status(pid: int) -> dict[str, float]:
+    """Peak RSS (VmHWM, MiB) and CPU seconds so far of a live process, from /proc."""
+    out: dict[str, float] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("VmHWM:", "VmRSS:")):
+                out[line.split(":")[0]] = int(line.split()[1]) / 1024
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        tick = os.sysconf("SC_CLK_TCK")
+        out["cpu_s"] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    except (OSError, IndexError, ValueError):
+        pass
+    return out
+
+
+def _box_cpu() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    return sum(vals) - idle, sum(vals)
+
+
+def link_counters(tb: Testbed) -> dict[str, dict[str, int]]:
+    """Per host, ``{"up_bytes", "up_drops", "down_bytes", "down_drops"}`` summed over the
+    qdiscs of its link (``tc -s``): "up" is host->network, "down" network->host."""
+    import json
+
+    out = {}
+    for name, h in tb.hosts.items():
+        c = {}
+        for side, ns, dev in (("up", h.ns, h.dev), ("down", h.peer_ns, h.peer_dev)):
+            try:
+                qd = json.loads(nx.run(["tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", dev]).stdout or "[]")
+            except (RedsockError, ValueError):
+                qd = []
+            roots = [q for q in qd if q.get("root")] or qd[:1]
+            leaves = [q for q in qd if not q.get("root")]
+            c[f"{side}_bytes"] = sum(int(q.get("bytes", 0)) for q in roots)
+            c[f"{side}_drops"] = sum(int(q.get("drops", 0)) for q in roots + leaves)
+        out[name] = c
+    return out
+
+
+_TCP_KEYS = ("RetransSegs", "TCPTimeouts", "TCPLossProbes", "TCPFastRetrans", "TCPSpuriousRTOs")
+
+
+def tcp_counters(tb: Testbed) -> dict[str, int]:
+    """TCP retransmission counters summed over the hosts' namespaces (/proc/net/snmp, netstat)."""
+    total = dict.fromkeys(_TCP_KEYS, 0)
+    for name in tb.hosts:
+        try:
+            text = tb.exec(name, ["cat", "/proc/net/snmp", "/proc/net/netstat"], capture_output=True,
+                           text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        lines = text.splitlines()
+        for head, vals in zip(lines[::2], lines[1::2]):  # "Tcp: names..." / "Tcp: values..."
+            for k, v in zip(head.split()[1:], vals.split()[1:]):
+                if k in total and v.lstrip("-").isdigit():
+                    total[k] += int(v)
+    return total
+
+
+def _link_line(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], wall: float) -> str:
+    parts = []
+    for name in after:
+        a, b = after[name], before.get(name, {})
+        d = {k: a[k] - b.get(k, 0) for k in a}
+        parts.append(f"{name} {8 * d['up_bytes'] / wall / 1e6:.0f}/{8 * d['down_bytes'] / wall / 1e6:.0f}"
+                     f" drops {d['up_drops']}/{d['down_drops']}")
+    return ("# links (mean Mbit/s up/down over the run incl. start-up, tc drops up/down): "
+            + "; ".join(parts))
+
+
+def _child_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {**os.environ, **extra}
+    src = str(Path(__file__).resolve().parents[2])  # .../src, so an uninstalled tree works too
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the machine's cores
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _start_servers(tb: Testbed, logdir: Path, deadline: float) -> list[_Proc]:
+    servers = []
+    for name in tb.server_names:
+        log = logdir / f"{name}.log"
+        argv = [sys.executable, "-m", "redsock", "serve", "--host", tb.host_addr(name), "--port", str(SERVER_PORT)]
+        with log.open("w") as f:
+            proc = tb.popen(name, argv, stdout=subprocess.PIPE, stderr=f, text=True,
+                            env=_child_env({"REDSOCK_BIND_ADDR": tb.host_addr(name)}), start_new_session=True)
+        servers.append(_Proc(name, proc, log))
+    for s in servers:  # wait for each "redsock reduction server on ..." line
+        got: dict[str, str] = {}
+
+        def read(p: subprocess.Popen[Any] = s.proc) -> None:
+            got["line"] = p.stdout.readline() if p.stdout else ""
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(max(1.0, min(SERVER_START_S, deadline - time.monotonic())))
+        if not got.get("line", "").startswith("redsock reduction server on"):
+            raise RedsockError(f"reduction server on {s.name} did not start: {got.get('line', '')!r}; "
+                               f"log: {_tail(s.log) or '(empty)'}")
+    return servers
+
+
+def _relay(stream: IO[str], sink: IO[str], copy: IO[str]) -> None:
+    for line in stream:
+        sink.write(line)
+        sink.flush()
+        copy.write(line)
+    copy.flush()
+
+
+def _start_ranks(tb: Testbed, argv: list[str], logdir: Path) -> tuple[list[_Proc], list[threading.Thread]]:
+    servers = ",".join(f"{tb.host_addr(s)}:{SERVER_PORT}" for s in tb.server_names)
+    ranks, relays = [], []
+    world = tb.workers
+    for r, name in enumerate(tb.worker_names):
+        env = {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+               "MASTER_ADDR": tb.host_addr("w0"), "MASTER_PORT": str(MASTER_PORT),
+               "GLOO_SOCKET_IFNAME": tb.host(name).dev}
+        if servers:
+            env["REDSOCK_SERVERS"] = servers
+        log = logdir / f"{name}.log"
+        cmd = [sys.executable, "-m", "redsock", *argv]
+        if r == 0:  # stdout live to ours (the tables); stderr into its log
+            err = (logdir / f"{name}.err").open("w")
+            proc = tb.popen(name, cmd, env=_child_env(env), stdout=subprocess.PIPE, stderr=err, text=True,
+                            start_new_session=True)
+            err.close()
+            copy = log.open("w")
+            t = threading.Thread(target=_relay, args=(proc.stdout, sys.stdout, copy), daemon=True)
+            t.start()
+            relays.append(t)
+            ranks.append(_Proc(name, proc, logdir / f"{name}.err"))
+        else:
+            with log.open("w") as f:
+                proc = tb.popen(name, cmd, env=_child_env(env), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+            ranks.append(_Proc(name, proc, log))
+    return ranks, relays
+
+
+def _wait_ranks(ranks: list[_Proc], servers: list[_Proc], deadline: float, timeout: float) -> str | None:
+    """Wait for every rank; return why it stopped early (None when all exited)."""
+    while True:
+        codes = [p.proc.poll() for p in ranks]
+        if all(c is not None for c in codes):
+            return None
+        failed = [p for p, c in zip(ranks, codes) if c not in (None, 0)]
+        if failed:
+            # The others are blocked on the failed peer (or about to report it): give them a
+            # moment to say so, then stop them.
+            end = time.monotonic() + 5.0
+            while time.monotonic() < end and any(p.proc.poll() is None for p in ranks):
+                time.sleep(0.1)
+            return f"rank {ranks.index(failed[0])} ({failed[0].name}) exited with {failed[0].proc.returncode}"
+        dead = [s for s in servers if s.proc.poll() is not None]
+        if dead:
+            return f"reduction server on {dead[0].name} exited with {dead[0].proc.returncode}"
+        if time.monotonic() > deadline:
+            return f"ranks still running after --timeout {timeout:.0f}s"
+        time.sleep(0.1)
+
+
+def _stop(procs: list[_Proc]) -> None:
+    for p in procs:
+        if p.proc.poll() is None:
+            p.proc.terminate()
+    for p in procs:
+        try:
+            p.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.proc.kill()
+            p.proc.wait(timeout=5)
+
+
+# -- the command -------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> int:
+    """Build the testbed, run the ranks and reducers in it, report; always tear down."""
+    from .transport_testbed import _no_interrupts, _terminate_as_interrupt
+
+    if args.nprocs:
+        raise ConfigError("--testbed starts one rank per worker host: drop --nprocs (use --workers)")
+    servers = args.workers if args.servers is None else args.servers
+    rate = parse_rate(args.rate)
+    algos = [a.strip() for a in args.algo.split(",") if a.strip()]
+    if "server" in algos and servers < 1:
+        raise ConfigError("--algo server needs --servers >= 1")
+    if args.timeout <= 0:
+        raise ConfigError("--timeout must be > 0")
+    nx.require_root("redsock bench allreduce --testbed")
+    prefix = args.prefix or f"rsar{os.getpid()}"
+    tb = Testbed(workers=args.workers, servers=servers, rate=rate, profile=args.profile, prefix=prefix)
+    deadline = time.monotonic() + args.timeout
+    rc = 1
+    with tempfile.TemporaryDirectory(prefix="redsock-bench-tb-") as tmp, _terminate_as_interrupt():
+        logdir = Path(tmp)
+        json_path = logdir / "rows.jsonl"
+        argv = child_argv(args, str(json_path))
+        ranks: list[_Proc] = []
+        server_procs: list[_Proc] = []
+        relays: list[threading.Thread] = []
+        try:
+            print(f"# testbed {prefix}: building {args.workers} workers + {servers} reducers, "
+                  f"{args.profile} links at {format_rate(rate)}", flush=True)
+            tb.up()
+            server_procs = _start_servers(tb, logdir, deadline)
+            children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            links0, tcp0 = link_counters(tb), tcp_counters(tb)
+            box0, t0 = _box_cpu(), time.monotonic()
+            ranks, relays = _start_ranks(tb, argv, logdir)
+            why = _wait_ranks(ranks, server_procs, deadline, args.timeout)
+            wall = time.monotonic() - t0
+            box1 = _box_cpu()
+            links = _link_line(links0, link_counters(tb), wall)
+            tcp1 = tcp_counters(tb)
+            links += "\n# TCP over the run, all hosts: " + ", ".join(f"{k} {tcp1[k] - tcp0[k]}" for k in _TCP_KEYS)
+            for s in server_procs:  # read before they exit: the peak RSS dies with the process
+                s.info = _proc_status(s.proc.pid)
+            _stop(ranks)
+            for t in relays:
+                t.join(timeout=5)
+            rc = _report(args, tb, ranks, server_procs, why, json_path, rate, servers, wall,
+                         children0, box0, box1)
+            print(links)
+        finally:
+            with _no_interrupts():
+                _stop(ranks + server_procs)
+                tb.down()
+    return rc
+
+
+def _report(args: argparse.Namespace, tb: Testbed, ranks: list[_Proc], servers: list[_Proc],
+            why: str | None, json_path: Path, rate: int, nservers: int, wall: float,
+            children0: Any, box0: tuple[int, int], box1: tuple[int, int]) -> int:
+    rc = 0
+    if why is not None:
+        print(f"redsock: testbed run failed: {why}", file=sys.stderr)
+        rc = 1
+    for p in ranks:
+        code = p.proc.returncode
+        if code != 0:
+            rc = rc or (code if code and code > 0 else 1)
+            if why is not None or code != 1:  # exit 1 alone from rank 0 means wrong elements
+                print(f"--- {p.name} (exit {code}) ---\n{_tail(p.log) or '(no output)'}", file=sys.stderr)
+    for s in servers:
+        if s.proc.poll() is not None:
+            rc = rc or 1
+            print(f"--- reducer {s.name} exited with {s.proc.returncode} ---\n{_tail(s.log)}", file=sys.stderr)
+    rows = report.read_json(json_path) if json_path.exists() else []
+    if rows:
+        meta = {"workers": tb.workers, "servers": nservers, "rate_bps": rate, "profile": tb.profile,
+                "goodput_factor": GOODPUT_FACTOR}
+        rows = [replace(r, extra={**r.extra, "testbed": meta}) for r in rows]
+        print(summary_table(rows, rate, tb.workers, nservers, tb.profile))
+        if args.json:
+            report.write_json(rows, args.json)
+        if args.plot:
+            report.plot(rows, args.plot, title=f"{tb.workers} workers, {nservers} reducers, "
+                                                f"{format_rate(rate)} links")
+    elif rc == 0:
+        print("redsock: rank 0 wrote no results", file=sys.stderr)
+        rc = 1
+    for s in servers:
+        info = s.info
+        if info:
+            print(f"# reducer {s.name} ({tb.host_addr(s.name)}:{SERVER_PORT}): peak RSS "
+                  f"{info.get('VmHWM', float('nan')):.1f} MiB, CPU {info.get('cpu_s', float('nan')):.1f} s")
+    children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    rank_cpu = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
+    server_cpu = sum(s.info.get("cpu_s", 0.0) for s in servers)
+    busy = (box1[0] - box0[0]) / max(1, box1[1] - box0[1])
+    ncpu = os.cpu_count() or 1
+    print(f"# CPU over {wall:.1f} s: ranks {rank_cpu:.1f} s, reducers {server_cpu:.1f} s "
+          f"(= {100 * (rank_cpu + server_cpu) / (wall * ncpu):.0f}% of {ncpu} cores); "
+          f"whole machine busy {100 * busy:.0f}% (includes anything else running)")
+    return rc

@@ -209,6 +209,21 @@ def server_fallback(comm, rank, world):
     print(f"done {i} all-reduces", flush=True)
 
 
+def ring_loop(comm, rank, world):
+    """All-reduce until the test stops (SIGSTOP) a rank: the others must raise, naming it."""
+    x = np.ones(1 << 20, np.float32)
+    comm.all_reduce(x, algorithm="ring")
+    print("looping", flush=True)
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < 120:
+            comm.all_reduce(x, algorithm="ring")
+    except PeerFailure as e:
+        print(f"raised PeerFailure ranks={list(e.ranks)} after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+        return
+    raise AssertionError("a stalled rank went unnoticed")
+
+
 def main():
     scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     from torch.distributed import TCPStore

@@ -77,3 +77,29 @@ def test_dead_rank_makes_the_others_raise_peer_failure():
     for r, (code, out, err) in enumerate(outs[:-1]):
         assert code == 0, f"rank {r}:\n{err[-3000:]}"
         assert f"ranks=[{world - 1}]" in out, f"rank {r} did not name the dead rank: {out}"
+
+
+def test_stopped_rank_is_detected_by_the_timeout():
+    """SIGSTOP one rank mid-loop: the others raise PeerFailure naming it within timeout + 5 s."""
+    import os
+    import signal
+    from torch.distributed import TCPStore
+
+    world, timeout_s = 3, 5
+    store = TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "ring_loop", str(r), str(world), str(store.port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "TEST_TIMEOUT_S": str(timeout_s)}) for r in range(world)]
+    try:
+        assert procs[2].stdout.readline().strip() == "looping"
+        procs[2].send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        for r in (0, 1):
+            out, err = procs[r].communicate(timeout=timeout_s + 30)
+            assert procs[r].returncode == 0, err[-3000:]
+            assert "ranks=[2]" in out, out
+        assert time.monotonic() - t0 < timeout_s + 5
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

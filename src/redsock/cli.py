@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--token-file", help="shared secret every worker must prove (HMAC handshake)")
     srv.add_argument("--threads", type=int, help="at most this many pieces summed at once (default: no limit)")
     srv.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    srv.add_argument("--max-piece-bytes", default="256M",
+                     help="largest piece a worker may send (bounds what one message can make the server hold)")
     srv.set_defaults(func=_serve)
 
     from .testbed.cli import add_parser as add_testbed_parser
@@ -43,10 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .config import Config, read_token_file
+    from .config import Config, parse_size, read_token_file
     from .server import ReductionServer
 
-    overrides = {"token": read_token_file(args.token_file)} if args.token_file else {}
+    overrides: dict = {"max_message_bytes": parse_size(args.max_piece_bytes)}
+    if args.token_file:
+        overrides["token"] = read_token_file(args.token_file)
     server = ReductionServer(args.host, args.port, config=Config.from_env(**overrides), threads=args.threads,
                              metrics_port=args.metrics_port)
     print(f"redsock reduction server on {server.address[0]}:{server.address[1]}", flush=True)

@@ -226,6 +226,8 @@ def encode_abort(reason: str) -> bytes:
 
 
 def decode_ctrl(data: bytes | memoryview, max_inline: int) -> CtrlRecord:
+    if len(data) != CTRL_SIZE:
+        raise ProtocolError(f"control record is {len(data)} bytes, expected {CTRL_SIZE}")
     typ, _flags, check, length, tag, seq = CTRL.unpack(data)
     if typ == RecordType.INLINE:
         if length > max_inline:
@@ -243,6 +245,8 @@ def encode_slice(tag: int, seq: int, total: int, offset: int, length: int, check
 
 
 def decode_slice(data: bytes | memoryview, max_message: int) -> SliceRecord:
+    if len(data) != SLICE_SIZE:
+        raise ProtocolError(f"slice record is {len(data)} bytes, expected {SLICE_SIZE}")
     typ, _flags, check, length, tag, seq, total, offset = SLICE.unpack(data)
     if typ != RecordType.SLICE:
         raise ProtocolError(f"expected a slice record, got type {typ}")

@@ -519,7 +519,11 @@ class Connection:
             if u is None:
                 if total > self.config.max_message_bytes:
                     raise ProtocolError(f"{self.peer} sent a {total}-byte message, above the limit")
-                u = self._unexpected[key] = _Unexpected(total, check)
+                try:
+                    u = self._unexpected[key] = _Unexpected(total, check)
+                except MemoryError:
+                    raise ProtocolError(f"{self.peer} sent a {total}-byte message before it was expected, "
+                                        "and there is no memory to hold it") from None
             elif len(u.buf) != total or u.check != check:
                 raise ProtocolError(f"{self.peer} changed the size of message {key} mid-way")
             return u, u.buf[offset:offset + length]

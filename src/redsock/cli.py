@@ -28,6 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_allreduce.add_arguments(ba)
     ba.set_defaults(func=bench_allreduce.run)
 
+    from .bench import soak as bench_soak
+
+    bs = bsub.add_parser("soak", help="thousands of random checked all-reduces; reducer memory must stay flat")
+    bench_soak.add_arguments(bs)
+    bs.set_defaults(func=bench_soak.run)
+
     srv = sub.add_parser("serve", help="run a reduction server (stops on SIGTERM/SIGINT)")
     srv.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
     srv.add_argument("--port", type=int, default=7700, help="port (default 7700)")

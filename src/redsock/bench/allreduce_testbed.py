@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", default="uniform", choices=PROFILES,
                    help="with --testbed: uniform | perflow | slow-server (reducer s0 at rate/2)")
     g.add_argument("--prefix", help="with --testbed: namespace prefix (default rsar<pid>)")
+    g.add_argument("--tcp-cc", metavar="NAME",
+                   help="with --testbed: TCP congestion control in every host namespace, e.g. cubic, bbr "
+                        "(default: the system's, net.ipv4.tcp_congestion_control)")
 
 
 def _testbed_dests() -> set[str]:
@@ -240,6 +243,18 @@ def _link_line(before: dict[str, dict[str, int]], after: dict[str, dict[str, int
             + "; ".join(parts))
 
 
+def _set_congestion_control(tb: Testbed, name: str | None) -> str:
+    """Set (when ``name``) and read back net.ipv4.tcp_congestion_control of every host namespace."""
+    seen = set()
+    for host in tb.hosts:
+        if name:
+            nx.run(["ip", "netns", "exec", tb.ns(host), "sysctl", "-q", "-w",
+                    f"net.ipv4.tcp_congestion_control={name}"])
+        seen.add(nx.run(["ip", "netns", "exec", tb.ns(host), "sysctl", "-n",
+                         "net.ipv4.tcp_congestion_control"]).stdout.strip())
+    return ",".join(sorted(seen))
+
+
 def _child_env(extra: dict[str, str]) -> dict[str, str]:
     env = {**os.environ, **extra}
     src = str(Path(__file__).resolve().parents[2])  # .../src, so an uninstalled tree works too
@@ -376,6 +391,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"# testbed {prefix}: building {args.workers} workers + {servers} reducers, "
                   f"{args.profile} links at {format_rate(rate)}", flush=True)
             tb.up()
+            cc = _set_congestion_control(tb, args.tcp_cc)
+            print(f"# TCP congestion control in the hosts: {cc}", flush=True)
             server_procs = _start_servers(tb, logdir, deadline)
             children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             links0, tcp0 = link_counters(tb), tcp_counters(tb)

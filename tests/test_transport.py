@@ -224,41 +224,35 @@ def _accept_peer(listener, *args):
     return proc, conn
 
 
-def test_sender_killed_mid_message_fails_the_receiver():
-    with Listener(config=Config(timeout_s=20)) as listener:
-        proc, conn = _accept_peer(listener, "sender", *listener.address, 1 << 30)
-        try:
-            buf = np.empty(1 << 30, np.uint8)
-            h = conn.irecv(buf, tag=5)
-            while h.got == 0 and not h.done:
-                time.sleep(0.001)
-            proc.kill()
-            t0 = time.monotonic()
-            with pytest.raises(TransportError, match="sender@"):
-                h.wait()
-            assert time.monotonic() - t0 < 5
-        finally:
-            proc.kill()
-            proc.wait()
-            conn.close()
+@pytest.mark.parametrize("role", ["sender", "receiver"])
+def test_peer_killed_mid_message_fails_this_side(role):
+    """SIGKILL the peer while a 1 GiB message is moving: this side raises, naming it, promptly.
 
-
-def test_receiver_killed_mid_message_fails_the_sender():
-    with Listener(config=Config(timeout_s=20)) as listener:
-        proc, conn = _accept_peer(listener, "receiver", *listener.address, 1 << 30)
-        try:
-            h = conn.isend(np.ones(1 << 30, np.uint8), tag=6)
-            while h.got == 0 and not h.done:
-                time.sleep(0.001)
-            proc.kill()
-            t0 = time.monotonic()
-            with pytest.raises(TransportError, match="receiver@"):
-                h.wait()
-            assert time.monotonic() - t0 < 5
-        finally:
-            proc.kill()
-            proc.wait()
-            conn.close()
+    On a loaded machine the whole GiB can occasionally land before the kill; such an
+    attempt proves nothing, so it is repeated (a hang or a silent success never passes)."""
+    for attempt in range(3):
+        with Listener(config=Config(timeout_s=20)) as listener:
+            proc, conn = _accept_peer(listener, role, *listener.address, 1 << 30)
+            try:
+                if role == "sender":
+                    h = conn.irecv(np.empty(1 << 30, np.uint8), tag=5)
+                else:
+                    h = conn.isend(np.ones(1 << 30, np.uint8), tag=6)
+                while h.got == 0 and not h.done:
+                    time.sleep(0.001)
+                proc.kill()
+                t0 = time.monotonic()
+                try:
+                    h.wait()
+                except TransportError as e:
+                    assert f"{role}@" in str(e)
+                    assert time.monotonic() - t0 < 5
+                    return
+            finally:
+                proc.kill()
+                proc.wait()
+                conn.close()
+    pytest.fail("the message completed before the kill in every attempt")
 
 
 def test_stalled_peer_is_detected_by_the_timeout():
@@ -274,3 +268,22 @@ def test_stalled_peer_is_detected_by_the_timeout():
             proc.kill()
             proc.wait()
             conn.close()
+
+
+@pytest.mark.parametrize("nbytes", [1, 3 << 20])
+def test_last_message_before_close_is_delivered(nbytes):
+    """The peer sends and closes at once: the message must arrive, inline or sliced."""
+    cfg = Config(timeout_s=10)
+    with Listener(config=cfg) as listener:
+        for i in range(60):
+            c = connect(listener.address, config=cfg)
+            s = listener.accept(timeout=5)
+            data = pattern(nbytes, i)
+            out = np.zeros_like(data)
+            h = c.irecv(out, 2)
+            t = threading.Thread(target=lambda: (s.send(data, 2), s.close()))
+            t.start()
+            h.wait(5)
+            t.join()
+            c.close()
+            assert np.array_equal(out, data), f"session {i}"

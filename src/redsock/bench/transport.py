@@ -13,6 +13,7 @@ or ``iters`` round trips on tags 3/4 (ping-pong).
 from __future__ import annotations
 
 import argparse
+import logging
 import json
 import os
 import signal
@@ -26,8 +27,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..config import Config, parse_hostport, parse_size
-from ..errors import ConfigError
+from ..errors import ConfigError, RedsockError
 from ..transport import Listener, connect
+
+log = logging.getLogger("redsock.bench")
 
 PLAN_TAG, DATA_TAG, ACK_TAG, PING_TAG, PONG_TAG = 0, 1, 2, 3, 4
 PLAN_BYTES = 4096
@@ -123,7 +126,11 @@ def serve(host: str, port: int, config: Config, sessions: int | None = None) -> 
                     continue
                 s.settimeout(None)
                 conn = _PlainConn(s)
-            _serve_one(conn)
+            try:
+                _serve_one(conn)
+            except RedsockError as e:  # one broken session must not end the listener
+                log.warning("benchmark session failed: %s", e)
+                conn.close()
             served += 1
     plain.close()
 

@@ -43,6 +43,18 @@ really sent (from ``tc -s class show``).
 The driver is also a command of its own (``python -m
 redsock.bench.transport_testbed drive --connect HOST:PORT ...``), which is
 what runs inside namespace ``a``.
+
+Notes on the transport found while building this (see the issue's report):
+
+* A message sent inline just before ``close()`` can be lost by the peer: its
+  data-stream receiver threads see the close, fail to take the control
+  stream's receive lock (the waiter for that very message holds it), and
+  abort the connection, failing the receive although its bytes are already
+  in the control socket.  The listener ends every session with such an ack,
+  so the driver appends :data:`SENTINEL`, a last case whose ack may be lost.
+* The listener's serve loop has no per-session error handling: a session
+  that fails (e.g. a client closing before its plan is read) ends the
+  listener.  Rejected connections therefore run an empty session.
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -65,11 +78,11 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ..config import Config, parse_size
+from ..config import Config, parse_hostport, parse_size
 from ..errors import ConfigError, RedsockError
 from ..testbed import netns as nx
 from ..testbed.cluster import PairTestbed
-from ..testbed.netns import format_rate, parse_rate, path_class
+from ..testbed.netns import parse_rate, path_class
 from ..transport import connect
 from .transport import (
     ACK_TAG, DATA_TAG, PLAN_BYTES, PLAN_TAG, TransportRow, _cases, _human, _many, _PlainConn,
@@ -91,8 +104,8 @@ WARMUP = {"mode": "throughput", "bytes": 1 << 20, "iters": 32, "reps": 1}
 #: A last 1-byte case whose ack is allowed to get lost.  The listener sends its final
 #: ack and closes at once; the driver's data-stream threads can see that close before
 #: the ack is read off the control stream and fail the pending receive (a race in the
-#: transport: see the module notes).  With this case last, every measured ack arrives
-#: while the listener still waits for more.
+#: transport: see the module docstring).  With this case last, every measured ack
+#: arrives while the listener still waits for more.
 SENTINEL = {"mode": "throughput", "bytes": 1, "iters": 1, "reps": 1, "sentinel": True}
 
 
@@ -107,7 +120,8 @@ def _empty_session(conn: Any) -> None:
     """Run a session with no cases and wait for the listener to end it.
 
     Waiting matters: closing first could let the listener see the data streams
-    end before it has read the plan, and its serve loop does not survive that.
+    end before it has read the plan, and its serve loop has no per-session
+    error handling.
     """
     plan = json.dumps({"cases": []}).encode().ljust(PLAN_BYTES, b"\0")
     if isinstance(conn, _PlainConn):
@@ -133,8 +147,6 @@ def connect_landed(addr: tuple[str, int], impl: str, config: Config, want: list[
     Returns ``(conn, source ports, attempts)``.  ``want=None`` takes the first
     connection.  Raises :class:`ConfigError` after ``max_attempts`` misses.
     """
-    import socket
-
     for attempt in range(1, max_attempts + 1):
         if impl == "redsock":
             conn: Any = connect(addr, config=config, name="bench-testbed", retry_s=10)
@@ -303,8 +315,6 @@ def _drive_main(argv: Sequence[str]) -> int:
     p.add_argument("--want", default="", help="class multiset to land on, e.g. 0,1,2,3 (empty: any)")
     p.add_argument("--max-attempts", type=int, default=400)
     a = p.parse_args(argv)
-    from ..config import parse_hostport
-
     config = Config.from_env()  # REDSOCK_* set by the orchestrator
     want = [int(x) for x in a.want.split(",") if x != ""] or None
     rows = run_drive(parse_hostport(a.connect), a.impl, config,
@@ -332,7 +342,11 @@ class RunSpec:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``--testbed`` (the option itself is in the side group of transport.py)."""
-    g = p.add_argument_group("--testbed (emulated per-flow path imbalance; needs root)")
+    g = p.add_argument_group(
+        "--testbed (emulated per-flow path imbalance; needs root)",
+        "With --testbed PROFILE (perflow), --sizes defaults to 256M and both balances run "
+        "(dynamic and static over the same path classes) unless --balance picks one; "
+        "--impl plain adds the one-socket baseline on the fastest class.")
     g.add_argument("--rates", default=DEFAULT_RATES,
                    help="path class rates, a power-of-two count (default %(default)s)")
     g.add_argument("--extra-nsocks", default="",
@@ -370,7 +384,12 @@ def plan_runs(args: argparse.Namespace, config: Config, nclasses: int,
                 runs.append(RunSpec("redsock", bal, n, None, match=runs[0].label))
             else:
                 runs.append(RunSpec("redsock", bal, n, None))
-        for k in (int(x) for x in args.extra_nsocks.split(",") if x.strip()):
+        try:
+            extra = [int(x) for x in args.extra_nsocks.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--extra-nsocks wants stream counts like 8 or 8,16, "
+                              f"not {args.extra_nsocks!r}") from None
+        for k in extra:
             if k != n:
                 runs.append(RunSpec("redsock", "dynamic", k, want_spread(k, nclasses) if spread else None))
     if "plain" in impls:

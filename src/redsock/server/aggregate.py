@@ -19,7 +19,8 @@ from ..errors import ProtocolError
 
 
 class BufferPool:
-    """Reusable byte buffers, so steady-state rounds allocate nothing (and RSS stays flat)."""
+    """Reusable byte buffers in power-of-two size classes, so steady-state rounds of any mix
+    of sizes allocate nothing and the server's resident memory stays flat."""
 
     def __init__(self, keep_bytes: int = 64 << 20):
         self._free: dict[int, list[np.ndarray]] = {}
@@ -28,14 +29,19 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 array of exactly ``nbytes`` (a view of a pooled buffer)."""
+        size = 1 << max(12, (nbytes - 1).bit_length())
         with self._lock:
-            bucket = self._free.get(nbytes)
+            bucket = self._free.get(size)
             if bucket:
-                self._kept -= nbytes
-                return bucket.pop()
-        return np.empty(nbytes, np.uint8)
+                self._kept -= size
+                return bucket.pop()[:nbytes]
+        return np.empty(size, np.uint8)[:nbytes]
 
     def give(self, buf: np.ndarray) -> None:
+        """Return a buffer (or any view of one) that came from :meth:`take`."""
+        while isinstance(buf.base, np.ndarray):
+            buf = buf.base
         with self._lock:
             if self._kept + buf.nbytes <= self._keep:
                 self._free.setdefault(buf.nbytes, []).append(buf)
@@ -86,7 +92,7 @@ class Piece:
             out_buf = self.pool.take(self.count * self.dtype.itemsize)
             out = out_buf.view(self.dtype)
             ops.finalize(self.acc, self.op, self.world, out)  # type: ignore[arg-type]
-            self.pool.give(self.acc.view(np.uint8).reshape(-1))  # type: ignore[union-attr]
+            self.pool.give(self.acc)  # type: ignore[arg-type]
             self.acc = None
             return out_buf
 
@@ -104,7 +110,7 @@ class Piece:
                 self.pool.give(buf)
             self.waiting.clear()
             if self.acc is not None:
-                self.pool.give(self.acc.view(np.uint8).reshape(-1))
+                self.pool.give(self.acc)
                 self.acc = None
 
 

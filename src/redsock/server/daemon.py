@@ -13,6 +13,7 @@ ranks were missing) and its memory freed; other jobs carry on.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import signal
 import threading
@@ -47,6 +48,7 @@ class ReductionServer:
 
     def __init__(self, host: str = "0.0.0.0", port: int = 0, *, config: Config | None = None,
                  threads: int | None = None, metrics_port: int | None = None):
+        _fixed_mmap_threshold()
         self.config = config or Config.from_env()
         self.pool = BufferPool()
         self._lock = threading.Lock()
@@ -277,6 +279,17 @@ class ReductionServer:
                 missing = rnd.missing_ranks()
                 self._abort_job(rnd.job, missing, f"all-reduce #{rnd.op_seq} got nothing from rank(s) "
                                 f"{', '.join(map(str, missing))} for {self.config.timeout_s:g}s")
+
+
+def _fixed_mmap_threshold() -> None:
+    """Make glibc serve every large buffer with its own mmap.  By default it raises the
+    threshold after large frees, then carves big buffers out of a heap that fragments
+    and never shrinks: the daemon's memory would creep up under changing sizes."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
 
 
 class _Metrics:

@@ -340,6 +340,23 @@ class Connection:
                 return
         self._abort(exc if isinstance(exc, RedsockError) else translate_oserror(exc, self.peer, op))
 
+    def _drain_after_peer_close(self) -> None:
+        """Every data stream ended cleanly: deliver what the control stream still holds
+        (a last inline message sent just before the peer closed), then fail what remains."""
+        deadline = time.monotonic() + min(self.config.timeout_s, 10.0)
+        with self._ctrl_rx_lock:  # a waiter holding it reads its message first, or meets the EOF itself
+            try:
+                while self._error is None and time.monotonic() < deadline:
+                    if not self._pump_ctrl():
+                        self._ctrl_poll.poll(100)
+            except TransportError as e:
+                if e.op == "peer abort":  # the peer said why it closed
+                    self._abort(e, notify_peer=False)
+            except (OSError, EOFError, RedsockError):
+                pass
+        self._abort(TransportError(f"{self.peer} closed the connection", peer=self.peer, op="recv"),
+                    notify_peer=False)
+
     def _take_peer_reason(self) -> None:
         """The peer closed: if it said why (an ABORT record), fail with its reason."""
         if self._ctrl_rx_lock.acquire(blocking=False):
@@ -615,7 +632,7 @@ class Connection:
                         self._streams_ended += 1
                         all_ended = self._streams_ended == len(self._data)
                     if all_ended:
-                        raise EOFError("peer closed the connection")
+                        self._drain_after_peer_close()
                     return
                 rec = wire.decode_slice(hdr, limit)
                 owner, target = self._message_target(rec.tag, rec.seq, rec.total, rec.offset, rec.length, rec.check)

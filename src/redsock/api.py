@@ -12,7 +12,7 @@ from .errors import ConfigError
 
 
 def init(rank: int | None = None, world_size: int | None = None, store: Any = None, *,
-         config: Config | None = None, **options: Any) -> Communicator:
+         config: Config | None = None, namespace: str | None = None, **options: Any) -> Communicator:
     """Create a Communicator.
 
     Without arguments it reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
@@ -20,6 +20,8 @@ def init(rank: int | None = None, world_size: int | None = None, store: Any = No
     ``torch.distributed.TCPStore`` there.  ``store`` may be any object with
     ``set(key, value)`` and a blocking ``get(key)``.  Other keyword arguments are
     options (``nsocks=8``, ``algo="ring"``, ...) that override ``REDSOCK_*``.
+    ``namespace`` separates communicators that share a store when not every rank
+    creates the same sequence of them (see :class:`redsock.bootstrap.PeerTable`).
     """
     env = os.environ
     try:
@@ -32,4 +34,5 @@ def init(rank: int | None = None, world_size: int | None = None, store: Any = No
     config = config.replace(**options) if config is not None else Config.from_env(**options)
     if store is None:
         store = store_from_env(rank, world_size, config.timeout_s)
-    return Communicator(rank, world_size, store, config, advertise_toward=env.get("MASTER_ADDR"))
+    return Communicator(rank, world_size, store, config, namespace=namespace,
+                        advertise_toward=env.get("MASTER_ADDR"))

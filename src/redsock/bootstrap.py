@@ -16,6 +16,7 @@ import socket
 import struct
 import threading
 import time
+import zlib
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -85,13 +86,19 @@ class PeerTable:
     """Connections of one rank to the others, opened on first use."""
 
     def __init__(self, rank: int, world_size: int, store: Any, config: Config, *, group: str = "",
-                 advertise_toward: str | None = None):
+                 namespace: str | None = None, advertise_toward: str | None = None):
+        """``namespace`` keeps this communicator's store keys apart from others'; by default
+        the process's count of communicators, which needs every rank to create them in the
+        same order (pass a namespace where only some ranks create one, e.g. subgroups)."""
         global _generation
         self.rank, self.world_size, self.config = rank, world_size, config
-        with _gen_lock:
-            _generation += 1
-            gen = _generation
-        self.prefix = f"redsock/{group}/{gen}/"
+        if namespace is None:
+            with _gen_lock:
+                _generation += 1
+                namespace = str(_generation)
+        self.prefix = f"redsock/{group}/{namespace}/"
+        # Handshake names are short (32 bytes on the wire): a digest of the prefix, then the rank.
+        self._ident = f"{zlib.crc32(self.prefix.encode()):08x}:r"
         self.store = store
         self._conns: dict[int, Connection] = {}
         self._cv = threading.Condition()
@@ -101,11 +108,11 @@ class PeerTable:
         store.set(self.prefix + f"addr/{rank}", f"{host}:{self.listener.address[1]}")
 
     def name(self, rank: int) -> str:
-        return f"{self.prefix}rank{rank}"
+        return f"{self._ident}{rank}"
 
     def _accepted(self, conn: Connection) -> None:
         peer_name = conn.peer.split("@", 1)[0]
-        prefix = f"{self.prefix}rank"
+        prefix = self._ident
         if not peer_name.startswith(prefix):
             conn.close()  # a stranger, or a rank of another communicator generation
             return

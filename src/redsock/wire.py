@@ -55,6 +55,8 @@ class RecordType(IntEnum):
     INLINE = 1
     ABORT = 2
     SLICE = 16
+    PING = 17  # "are you alive?", answered by the peer's receive thread (even while its app is blocked)
+    PONG = 18
 
 
 # --- handshake ---------------------------------------------------------------
@@ -214,6 +216,7 @@ class SliceRecord:
     total: int
     offset: int
     check: int = 0
+    type: RecordType = RecordType.SLICE
 
 
 def encode_inline(tag: int, seq: int, length: int, check: int = 0) -> bytes:
@@ -244,10 +247,19 @@ def encode_slice(tag: int, seq: int, total: int, offset: int, length: int, check
     return SLICE.pack(RecordType.SLICE, 0, check, length, tag, seq, total, offset)
 
 
+def encode_probe(kind: RecordType, nonce: int) -> bytes:
+    """A PING or PONG on a data stream; ``nonce`` (in the tag field) pairs them."""
+    return SLICE.pack(kind, 0, 0, 0, nonce, 0, 0, 0)
+
+
 def decode_slice(data: bytes | memoryview, max_message: int) -> SliceRecord:
     if len(data) != SLICE_SIZE:
         raise ProtocolError(f"slice record is {len(data)} bytes, expected {SLICE_SIZE}")
     typ, _flags, check, length, tag, seq, total, offset = SLICE.unpack(data)
+    if typ in (RecordType.PING, RecordType.PONG):
+        if length or total or offset:
+            raise ProtocolError(f"liveness probe with a payload ({length} bytes)")
+        return SliceRecord(0, tag, seq, 0, 0, 0, RecordType(typ))
     if typ != RecordType.SLICE:
         raise ProtocolError(f"expected a slice record, got type {typ}")
     if total > max_message:

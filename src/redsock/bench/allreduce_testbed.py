@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("emulated cluster (--testbed; needs root)")
     g.add_argument("--testbed", action="store_true",
                    help="run every rank in its own network namespace with shaped links, "
-                        "and one reduction server per reducer host")
+                        "and one reduction server per reducer host (--timeout bounds the whole run)")
     g.add_argument("--workers", type=int, default=4, help="with --testbed: worker hosts / ranks (default 4)")
     g.add_argument("--servers", type=int, help="with --testbed: reducer hosts (default: as many as workers)")
     g.add_argument("--rate", default="2gbit", help="with --testbed: link rate each way, e.g. 2gbit, 800mbit")
@@ -128,28 +128,27 @@ def summary_table(rows: Sequence[report.Row], rate_bps: int, workers: int, serve
     goodput = rate_bps * GOODPUT_FACTOR / 8 / 1e9  # GB/s of payload one link direction carries
     out = [f"# testbed: {workers} workers, {servers} reducers, {profile} links at {format_rate(rate_bps)} "
            f"each way; link goodput = {format_rate(rate_bps)} x {GOODPUT_FACTOR} = {goodput:.4f} GB/s",
-           "# algbw in GB/s; %good = algbw / link goodput; /gloo = algbw / gloo's algbw in this run; "
-           "ideal = 2(N-1)/N for server, 1 for ring"]
+           "# algbw in GB/s; %good = algbw / link goodput; /gloo = algbw / gloo's algbw (same size, this run); "
+           "ideal /gloo = 2(N-1)/N for server, 1 for ring"]
     gloo = {(r.world, r.bytes, r.dtype, r.op): r for r in rows if r.algo == "gloo"}
-    head = f"#{'size':>9} {'algo':>7} {'algbw':>9} {'%good':>7} {'gloo':>9} {'/gloo':>7} {'ideal':>6} {'#wrong':>7}"
-    out += [head]
-    for r in rows:
-        if r.algo == "gloo":
-            continue
-        g = gloo.get((r.world, r.bytes, r.dtype, r.op))
+    out.append(f"#{'size':>9} {'algo':>7} {'time(us)':>10} {'algbw':>9} {'%good':>7} {'gloo':>9} {'/gloo':>7} "
+               f"{'ideal':>6} {'#wrong':>7}")
+    for r in sorted(rows, key=lambda r: (r.bytes, r.algo == "gloo")):
+        g = None if r.algo == "gloo" else gloo.get((r.world, r.bytes, r.dtype, r.op))
         ideal = ideal_over_gloo(r.algo, r.world)
         out.append(
-            f"{report.human_size(r.bytes, sep=''):>10} {r.algo:>7} {r.algbw_GBps:9.4f} "
+            f"{report.human_size(r.bytes, sep=''):>10} {r.algo:>7} {_us(r.median_s):>10} {r.algbw_GBps:9.4f} "
             f"{100 * r.algbw_GBps / goodput:6.1f}% "
             f"{(f'{g.algbw_GBps:9.4f}' if g else '-'):>9} "
             f"{(f'{r.algbw_GBps / g.algbw_GBps:7.2f}' if g and g.algbw_GBps > 0 else '-'):>7} "
-            f"{(f'{ideal:6.2f}' if ideal else '-'):>6} {('N/A' if r.wrong < 0 else str(r.wrong)):>7}")
-    for r in rows:
-        if r.algo == "gloo":
-            out.append(f"{report.human_size(r.bytes, sep=''):>10} {'gloo':>7} {r.algbw_GBps:9.4f} "
-                       f"{100 * r.algbw_GBps / goodput:6.1f}% {'':>9} {'':>7} {'':>6} "
-                       f"{('N/A' if r.wrong < 0 else str(r.wrong)):>7}")
+            f"{(f'{ideal:6.2f}' if ideal and r.algo != 'gloo' else '-'):>6} "
+            f"{('N/A' if r.wrong < 0 else str(r.wrong)):>7}")
     return "\n".join(out)
+
+
+def _us(seconds: float) -> str:
+    us = seconds * 1e6
+    return f"{us:.0f}" if us >= 1000 else f"{us:.1f}"
 
 
 # -- processes ---------------------------------------------------------------------
@@ -396,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
             server_procs = _start_servers(tb, logdir, deadline)
             children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             links0, tcp0 = link_counters(tb), tcp_counters(tb)
+            cpu0 = {s.name: _proc_status(s.proc.pid).get("cpu_s", 0.0) for s in server_procs}
             box0, t0 = _box_cpu(), time.monotonic()
             ranks, relays = _start_ranks(tb, argv, logdir)
             why = _wait_ranks(ranks, server_procs, deadline, args.timeout)
@@ -406,6 +406,7 @@ def run(args: argparse.Namespace) -> int:
             links += "\n# TCP over the run, all hosts: " + ", ".join(f"{k} {tcp1[k] - tcp0[k]}" for k in _TCP_KEYS)
             for s in server_procs:  # read before they exit: the peak RSS dies with the process
                 s.info = _proc_status(s.proc.pid)
+                s.info["cpu_s"] = s.info.get("cpu_s", 0.0) - cpu0.get(s.name, 0.0)  # during the run
             _stop(ranks)
             for t in relays:
                 t.join(timeout=5)
@@ -454,7 +455,8 @@ def _report(args: argparse.Namespace, tb: Testbed, ranks: list[_Proc], servers: 
         info = s.info
         if info:
             print(f"# reducer {s.name} ({tb.host_addr(s.name)}:{SERVER_PORT}): peak RSS "
-                  f"{info.get('VmHWM', float('nan')):.1f} MiB, CPU {info.get('cpu_s', float('nan')):.1f} s")
+                  f"{info.get('VmHWM', float('nan')):.1f} MiB, "
+                  f"CPU during the run {info.get('cpu_s', float('nan')):.1f} s")
     children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     rank_cpu = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
     server_cpu = sum(s.info.get("cpu_s", 0.0) for s in servers)

@@ -66,12 +66,12 @@ class Communicator:
     """
 
     def __init__(self, rank: int, world_size: int, store: Any, config: Config | None = None, *,
-                 group: str = "", advertise_toward: str | None = None):
+                 group: str = "", namespace: str | None = None, advertise_toward: str | None = None):
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} outside a world of {world_size}")
         self.rank, self.world_size = rank, world_size
         self.config = config or Config.from_env()
-        self.peers = PeerTable(rank, world_size, store, self.config, group=group,
+        self.peers = PeerTable(rank, world_size, store, self.config, group=group, namespace=namespace,
                                advertise_toward=advertise_toward)
         self._seq = 0
         self._seq_lock = threading.Lock()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import select
 import socket
 import threading
@@ -181,6 +182,9 @@ class Connection:
         # Stats, for benchmarks and tests: slices and bytes sent per data stream.
         self.slices_sent = [0] * len(data)
         self.bytes_sent = [0] * len(data)
+        # Liveness probes share data stream 0 with its sender thread: one writer at a time.
+        self._stream0_tx = threading.Lock()
+        self._pongs: dict[int, threading.Event] = {}
         self._threads: list[threading.Thread] = []
         for i in range(len(data)):
             for fn, kind in ((self._send_loop, "tx"), (self._recv_loop, "rx")):
@@ -374,22 +378,67 @@ class Connection:
 
     def _wait(self, h: Handle, timeout: float | None) -> None:
         limit = self.config.timeout_s if timeout is None else timeout
-        if h.inline and h.op == "recv":
-            self._wait_inline(h, time.monotonic() + limit)
-        else:
-            deadline = time.monotonic() + limit
-            last = h.got
-            while not h._block(min(_PROGRESS_CHECK_S, max(0.0, deadline - time.monotonic()))):
-                if h.got != last:  # moving: the deadline is for a stall, not for a long transfer
-                    last = h.got
-                    deadline = time.monotonic() + limit
-                elif time.monotonic() >= deadline:
-                    break
+        self._wait_once(h, limit)
+        if not h._done and self._error is None and self.probe(min(1.0, limit)):
+            # The peer is alive, so it is blocked on somebody else: if that one failed, its
+            # neighbours' diagnosis reaches us as an abort.  One more period, then we give up.
+            self._wait_once(h, limit)
+            limit *= 2
         if not h._done:
             err = Timeout(f"{h.op} of {h.nbytes} bytes (tag {h.tag}) with {self.peer}: no progress "
                           f"for {limit:g}s (REDSOCK_TIMEOUT_S)", peer=self.peer, op=h.op)
             self._abort(err)
             h._fail(err)
+
+    def _wait_once(self, h: Handle, limit: float) -> None:
+        if h.inline and h.op == "recv":
+            self._wait_inline(h, time.monotonic() + limit)
+            return
+        deadline = time.monotonic() + limit
+        last = h.got
+        while not h._block(min(_PROGRESS_CHECK_S, max(0.0, deadline - time.monotonic()))):
+            if h.got != last:  # moving: the deadline is for a stall, not for a long transfer
+                last = h.got
+                deadline = time.monotonic() + limit
+            elif time.monotonic() >= deadline:
+                return
+
+    def probe(self, timeout: float = 1.0) -> bool:
+        """True if the peer's process answers a PING within ``timeout`` (its receive threads
+        answer even while its application is blocked; a stopped or dead process cannot)."""
+        nonce = random.getrandbits(63)
+        ev = self._pongs[nonce] = threading.Event()
+        deadline = time.monotonic() + timeout
+        try:
+            return (self._send_probe(wire.RecordType.PING, nonce, deadline)
+                    and ev.wait(max(0.0, deadline - time.monotonic())))
+        finally:
+            self._pongs.pop(nonce, None)
+
+    def _send_probe(self, kind: wire.RecordType, nonce: int, deadline: float) -> bool:
+        """Put a PING/PONG on stream 0 without ever blocking past ``deadline``."""
+        # A stream 0 stuck mid-send means the peer is not reading: that is the answer already.
+        if not self._stream0_tx.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        try:
+            sock, record = self._data[0], memoryview(wire.encode_probe(kind, nonce))
+            try:
+                sent = sock.send(record, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return False  # nothing went out: the stream is still in step
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLOUT)
+            while sent < len(record):  # a partial record must be finished, or the stream is lost
+                left = deadline - time.monotonic()
+                if left <= 0 or not poller.poll(int(left * 1000) + 1):
+                    self._abort(Timeout(f"{self.peer} stopped reading mid-probe", peer=self.peer, op="probe"))
+                    return False
+                sent += sock.send(record[sent:], socket.MSG_DONTWAIT)
+            return True
+        except OSError:
+            return False
+        finally:
+            self._stream0_tx.release()
 
     def _wait_inline(self, h: Handle, deadline: float) -> None:
         """Read the control stream ourselves until ``h`` is done: no thread hop."""
@@ -600,6 +649,10 @@ class Connection:
                         zerocopy.disable(f"zero-copy send failed ({e.strerror})")
                         send_all(sock, parts)
                         self._slice_sent(job, n)
+                elif idx == 0:
+                    with self._stream0_tx:
+                        send_all(sock, parts)
+                    self._slice_sent(job, n)
                 else:
                     send_all(sock, parts)
                     self._slice_sent(job, n)
@@ -607,6 +660,14 @@ class Connection:
                 self.bytes_sent[idx] += n
         except (OSError, RedsockError) as e:
             self._io_failed(e, "send")
+
+    def _answer_probe(self, sock: socket.socket, rec: wire.SliceRecord) -> None:
+        if rec.type == wire.RecordType.PING:  # answered on stream 0, whichever stream it came on
+            self._send_probe(wire.RecordType.PONG, rec.tag, time.monotonic() + 1.0)
+        else:
+            ev = self._pongs.get(rec.tag)
+            if ev is not None:
+                ev.set()
 
     def _slice_sent(self, job: SendJob, n: int) -> None:
         h = job.handle
@@ -635,6 +696,9 @@ class Connection:
                         self._drain_after_peer_close()
                     return
                 rec = wire.decode_slice(hdr, limit)
+                if rec.type != wire.RecordType.SLICE:
+                    self._answer_probe(sock, rec)
+                    continue
                 owner, target = self._message_target(rec.tag, rec.seq, rec.total, rec.offset, rec.length, rec.check)
                 if not recv_exact(sock, target):
                     raise EOFError("peer closed the connection mid-slice")

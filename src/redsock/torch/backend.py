@@ -1,0 +1,628 @@
+"""``ProcessGroupRedsock``: the ``redsock`` torch.distributed backend.
+
+Every group (the default one and each ``new_group``) gets its own
+:class:`~redsock.collectives.Communicator`, bootstrapped through the store torch
+hands the creator (already prefixed with the group's name, so groups never
+share keys).
+
+How operations run:
+
+* Collectives are submitted to the communicator with ``async_op=True`` from the
+  caller's thread.  The communicator numbers calls as they are submitted and runs
+  them in that order on its own thread, so every rank runs them in the same
+  order and the caller only waits for what it must (staging CUDA tensors).
+* Point-to-point operations (send/recv, and alltoall, gather and scatter, which
+  are built from them) run on *lanes*: one thread per (direction, peer, tag).
+  Messages with the same tag are matched in order, and each lane keeps that
+  order; separate lanes make ``irecv`` then ``isend`` between two ranks (or an
+  alltoall, where everyone sends and receives at once) free of deadlock.
+  A send never waits for its receive: the transport buffers early messages.
+* Each operation returns a :class:`~redsock.torch.work.RedsockWork`, kept alive
+  by the group until it completes; its future's value is the output tensors.
+
+Tensors are handed over without copies when they are contiguous CPU tensors
+(see :mod:`redsock.torch.bridge` for non-contiguous and CUDA tensors).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..api import init as redsock_init
+from ..collectives import Communicator
+from ..errors import ConfigError
+from .bridge import (
+    Staged,
+    as_numpy,
+    check_tensor,
+    copy_into,
+    cuda_devices,
+    host_buffer,
+    same_dtype,
+    same_numel,
+    sync_devices,
+)
+from .registration import BACKEND_NAME
+from .work import RedsockWork, Tracker, done_future
+
+_RedOp = dist.ReduceOp.RedOpType
+_REDUCE_OPS: dict[Any, str] = {
+    _RedOp.SUM: "sum", _RedOp.AVG: "avg", _RedOp.MIN: "min", _RedOp.MAX: "max", _RedOp.PRODUCT: "prod",
+}
+
+# Point-to-point tag spaces.  torch's user tags are C++ ints (< 2**31); the communicator
+# accepts tags < 2**61, so the internal uses sit above every user tag.
+_MAX_USER_TAG = 1 << 31
+_ALLTOALL_TAG = 1 << 40
+_GATHER_TAG = (1 << 40) + 1
+_SCATTER_TAG = (1 << 40) + 2
+
+
+class Options:
+    """``pg_options`` for the redsock backend: option overrides for one group.
+
+    ``dist.new_group(backend="redsock", pg_options=redsock.torch.Options(algo="ring", nsocks=8))``
+    Keys are :class:`~redsock.config.Config` fields; they win over ``REDSOCK_*``.  Without
+    ``timeout_s`` here, the group's torch timeout (``timeout=`` of init_process_group /
+    new_group) becomes the communicator's ``timeout_s``.
+    """
+
+    def __init__(self, **options: Any):
+        self.options: dict[str, Any] = dict(options)
+
+    def __repr__(self) -> str:
+        return f"redsock.torch.Options({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
+
+
+# -- creating communicators ----------------------------------------------------------------
+
+def new_communicator(rank: int, size: int, store: Any, **options: Any) -> Communicator:
+    """A Communicator for one torch group, bootstrapped through its store.
+
+    torch calls the creator only on a group's members, so per-process numbering of
+    communicators would drift between ranks; the store is already private to the
+    group (torch prefixes it with the group's name), so one fixed namespace suffices.
+    """
+    return redsock_init(rank, size, store, namespace="torch", **options)
+
+
+def _options_of(pg_options: Any) -> dict[str, Any]:
+    if pg_options is None:
+        return {}
+    if isinstance(pg_options, Options):
+        return dict(pg_options.options)
+    if isinstance(pg_options, Mapping):
+        return dict(pg_options)
+    raise ConfigError(f"redsock: pg_options must be redsock.torch.Options or a dict of redsock options, "
+                      f"got {type(pg_options).__name__}")
+
+
+def create_process_group(dist_opts: Any, pg_options: Any = None) -> "ProcessGroupRedsock":
+    """The creator torch calls (``extended_api=True``) for every redsock group this rank is in."""
+    options = _options_of(pg_options)
+    timeout = dist_opts.timeout
+    if isinstance(timeout, timedelta) and "timeout_s" not in options:
+        options["timeout_s"] = timeout.total_seconds()
+    comm = new_communicator(dist_opts.group_rank, dist_opts.group_size, dist_opts.store, **options)
+    return ProcessGroupRedsock(comm, group_id=str(dist_opts.group_id),
+                               global_ranks=list(dist_opts.global_ranks_in_group))
+
+
+# -- point-to-point lanes -------------------------------------------------------------------
+
+class _Lanes:
+    """One single-thread executor per (direction, peer, tag): order within a lane, no
+    head-of-line blocking between lanes.  Lanes are created on first use and live as
+    long as the group (a program uses few distinct tags)."""
+
+    def __init__(self, label: str):
+        self._label = label
+        self._lanes: dict[tuple[str, int, int], ThreadPoolExecutor] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, direction: str, peer: int, tag: int, fn: Callable[[], None]) -> Future:
+        key = (direction, peer, tag)
+        with self._lock:
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = ThreadPoolExecutor(max_workers=1,
+                                          thread_name_prefix=f"redsock-{self._label}-{direction}{peer}-t{tag}")
+                self._lanes[key] = lane
+            return lane.submit(fn)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.shutdown(wait=False, cancel_futures=True)
+
+
+# -- the process group ----------------------------------------------------------------------
+
+def _reduce_op(op: Any, what: str) -> str:
+    kind = getattr(op, "op", op)  # a dist.ReduceOp, or its RedOpType
+    name = _REDUCE_OPS.get(kind)
+    if name is None:
+        label = getattr(kind, "name", str(kind))
+        raise ConfigError(f"redsock {what}: reduce op {label} is not supported "
+                          "(supported: SUM, AVG, MIN, MAX, PRODUCT)")
+    return name
+
+
+def _as_list(tensors: Any) -> list[torch.Tensor]:
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+class ProcessGroupRedsock(dist.ProcessGroup):
+    """A torch.distributed process group whose collectives run on a redsock Communicator."""
+
+    def __init__(self, comm: Communicator, *, group_id: str = "", global_ranks: Sequence[int] = ()):
+        super().__init__(comm.rank, comm.world_size)
+        self.comm = comm
+        self.group_id = group_id
+        self.global_ranks = list(global_ranks)
+        self._tracker = Tracker()
+        self._lanes = _Lanes(f"r{comm.rank}")
+        self._shut = False
+        self._group_name = group_id
+        self._group_desc = ""
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's names
+        return BACKEND_NAME
+
+    # The base class keeps the group's name and description in its C++ backends, which a
+    # Python group has none of: keep them here (torch sets them right after the creator).
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupRedsock(group={self.group_id!r}, rank={self.comm.rank}, size={self.comm.world_size})"
+
+    # -- machinery ---------------------------------------------------------------------
+
+    @property
+    def _world(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def _me(self) -> int:
+        return self.comm.rank
+
+    def _new_work(self, what: str, tensors: Sequence[torch.Tensor]) -> RedsockWork:
+        if self._shut:
+            raise ConfigError(f"redsock {what}: the process group was shut down")
+        return RedsockWork(what, cuda_devices(tensors))
+
+    def _collective(self, what: str, tensors: Sequence[torch.Tensor], staged: Sequence[Staged],
+                    submit: Callable[[], list[Any]], finish: Callable[[], Any], keep: Any = None) -> RedsockWork:
+        """Run ``submit()`` (communicator calls with async_op=True, returning their Works)
+        and complete a Work with ``finish()`` when they are all done."""
+        work = self._new_work(what, tensors)
+        sync_devices(s.tensor for s in staged)  # device-to-host staging copies must have landed
+        parts = [w.get_future() for w in submit()]
+
+        def done() -> Any:
+            for s in staged:
+                s.finish()
+            return finish()
+
+        return self._tracker.complete_when_done(work, parts, done, keep=(staged, keep))
+
+    def _p2p(self, what: str, tensors: Sequence[torch.Tensor], staged: Sequence[Staged],
+             jobs: list[tuple[str, int, int, Callable[[], None]]], finish: Callable[[], Any],
+             keep: Any = None) -> RedsockWork:
+        """Run ``jobs`` (direction, peer, tag, fn) on their lanes; complete when all are done."""
+        work = self._new_work(what, tensors)
+        sync_devices(s.tensor for s in staged)
+        parts = [self._lanes.submit(d, peer, tag, fn) for d, peer, tag, fn in jobs]
+
+        def done() -> Any:
+            for s in staged:
+                s.finish()
+            return finish()
+
+        return self._tracker.complete_when_done(work, parts, done, keep=(staged, keep))
+
+    def _check_peer(self, peer: int, what: str) -> int:
+        if not isinstance(peer, int) or not 0 <= peer < self._world or peer == self._me:
+            raise ConfigError(f"redsock {what}: {peer!r} is not another rank of this group "
+                              f"(rank {self._me} of {self._world})")
+        return peer
+
+    # -- all-reduce ----------------------------------------------------------------------
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> RedsockWork:
+        tensors = _as_list(tensors)
+        op = _reduce_op(opts.reduceOp if opts is not None else _RedOp.SUM, "allreduce")
+        staged = [Staged(t, read=True, write=True, what="allreduce") for t in tensors]
+        return self._collective("allreduce", tensors, staged,
+                                lambda: [self.comm.all_reduce(s.array, op, async_op=True) for s in staged],
+                                lambda: tensors)
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> RedsockWork:
+        return self.allreduce(tensors, opts)
+
+    # -- broadcast -------------------------------------------------------------------------
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> RedsockWork:
+        tensors = _as_list(tensors)
+        root = opts.rootRank if opts is not None else 0
+        if not 0 <= root < self._world:
+            raise ConfigError(f"redsock broadcast: root {root} is not a rank of a group of {self._world}")
+        is_root = root == self._me
+        staged = [Staged(t, read=is_root, write=not is_root, what="broadcast") for t in tensors]
+        return self._collective("broadcast", tensors, staged,
+                                lambda: [self.comm.broadcast(s.array, root, async_op=True) for s in staged],
+                                lambda: tensors)
+
+    # -- all-gather ------------------------------------------------------------------------
+
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
+        """List form: ``output_tensors[i][r]`` = rank r's ``input_tensors[i]``."""
+        inputs = _as_list(input_tensors)
+        outputs = [list(o) for o in output_tensors]
+        if len(outputs) != len(inputs):
+            raise ConfigError(f"redsock allgather: {len(outputs)} output lists for {len(inputs)} inputs")
+        srcs, temps = [], []
+        for outs, inp in zip(outputs, inputs):
+            check_tensor(inp, "allgather")
+            if len(outs) != self._world:
+                raise ConfigError(f"redsock allgather: {len(outs)} output tensors, expected one per rank "
+                                  f"({self._world})")
+            same_numel(outs, inp.numel(), "allgather output")
+            same_dtype(outs, inp.dtype, "allgather output")
+            srcs.append(Staged(inp, read=True, write=False, what="allgather"))
+            temps.append(host_buffer(outs[0] if outs else inp, self._world * inp.numel()))
+        flat_outs = [t for outs in outputs for t in outs]
+
+        def finish() -> Any:
+            for outs, tmp in zip(outputs, temps):
+                n = tmp.numel() // self._world
+                for r, o in enumerate(outs):
+                    copy_into(o, tmp[r * n:(r + 1) * n].view(o.shape))
+            return flat_outs  # as gloo: the output tensors, flattened
+
+        return self._collective(
+            "allgather", [*inputs, *flat_outs], srcs,
+            lambda: [self.comm.all_gather(s.array, as_numpy(tmp), async_op=True) for s, tmp in zip(srcs, temps)],
+            finish, keep=temps)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RedsockWork:
+        """``output`` (world × input's elements) = every rank's ``input``, in rank order."""
+        return self._gather_into_tensors([output], [input], "all_gather_single")
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> RedsockWork:
+        return self._gather_into_tensors(_as_list(outputs), _as_list(inputs), "all_gather_single_coalesced")
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def _gather_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                             what: str) -> RedsockWork:
+        if len(outputs) != len(inputs):
+            raise ConfigError(f"redsock {what}: {len(outputs)} outputs for {len(inputs)} inputs")
+        staged_in, staged_out = [], []
+        for out, inp in zip(outputs, inputs):
+            check_tensor(out, what)
+            check_tensor(inp, what)
+            if out.numel() != self._world * inp.numel():
+                raise ConfigError(f"redsock {what}: output has {out.numel()} elements, expected world size × "
+                                  f"input = {self._world} × {inp.numel()}")
+            same_dtype([out], inp.dtype, what)
+            staged_in.append(Staged(inp, read=True, write=False, what=what))
+            staged_out.append(Staged(out, read=False, write=True, what=what))
+        return self._collective(
+            what, [*outputs, *inputs], [*staged_in, *staged_out],
+            lambda: [self.comm.all_gather(i.array, o.array, async_op=True) for i, o in zip(staged_in, staged_out)],
+            lambda: outputs)
+
+    # -- reduce-scatter --------------------------------------------------------------------
+
+    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
+        """List form: ``output_tensors[i]`` = reduction over ranks of ``input_tensors[i][rank]``."""
+        outputs = _as_list(output_tensors)
+        input_lists = [list(x) for x in input_tensors]
+        op = _reduce_op(opts.reduceOp if opts is not None else _RedOp.SUM, "reduce_scatter")
+        if len(outputs) != len(input_lists):
+            raise ConfigError(f"redsock reduce_scatter: {len(outputs)} outputs for {len(input_lists)} input lists")
+        staged_in, staged_out = [], []
+        for out, ins in zip(outputs, input_lists):
+            check_tensor(out, "reduce_scatter")
+            if len(ins) != self._world:
+                raise ConfigError(f"redsock reduce_scatter: {len(ins)} input tensors, expected one per rank "
+                                  f"({self._world})")
+            for t in ins:
+                check_tensor(t, "reduce_scatter")
+            same_numel(ins, out.numel(), "reduce_scatter input")
+            same_dtype(ins, out.dtype, "reduce_scatter input")
+            if len({t.device for t in ins}) > 1:
+                raise ConfigError("redsock reduce_scatter: input tensors are on different devices")
+            # The collective reduces one flat buffer: the list is concatenated once (a copy).
+            flat = torch.cat([t.detach().reshape(-1) for t in ins])
+            staged_in.append(Staged(flat, read=True, write=False, what="reduce_scatter"))
+            staged_out.append(Staged(out, read=False, write=True, what="reduce_scatter"))
+        return self._collective(
+            "reduce_scatter", [*outputs, *(t for ins in input_lists for t in ins)], [*staged_in, *staged_out],
+            lambda: [self.comm.reduce_scatter(i.array, o.array, op, async_op=True)
+                     for i, o in zip(staged_in, staged_out)],
+            lambda: outputs)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RedsockWork:
+        """``output`` = the reduction over ranks of segment ``rank`` of ``input`` (world × output)."""
+        return self._scatter_into_tensors([output], [input], opts, "reduce_scatter_single")
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> RedsockWork:
+        return self._scatter_into_tensors(_as_list(outputs), _as_list(inputs), opts,
+                                          "reduce_scatter_single_coalesced")
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _scatter_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any,
+                              what: str) -> RedsockWork:
+        op = _reduce_op(opts.reduceOp if opts is not None else _RedOp.SUM, what)
+        if len(outputs) != len(inputs):
+            raise ConfigError(f"redsock {what}: {len(outputs)} outputs for {len(inputs)} inputs")
+        staged_in, staged_out = [], []
+        for out, inp in zip(outputs, inputs):
+            check_tensor(out, what)
+            check_tensor(inp, what)
+            if inp.numel() != self._world * out.numel():
+                raise ConfigError(f"redsock {what}: input has {inp.numel()} elements, expected world size × "
+                                  f"output = {self._world} × {out.numel()}")
+            same_dtype([out], inp.dtype, what)
+            staged_in.append(Staged(inp, read=True, write=False, what=what))
+            staged_out.append(Staged(out, read=False, write=True, what=what))
+        return self._collective(
+            what, [*outputs, *inputs], [*staged_in, *staged_out],
+            lambda: [self.comm.reduce_scatter(i.array, o.array, op, async_op=True)
+                     for i, o in zip(staged_in, staged_out)],
+            lambda: outputs)
+
+    # -- reduce (built on all-reduce) ----------------------------------------------------------
+
+    def reduce(self, tensors: Any, opts: Any = None) -> RedsockWork:
+        """Only the root's tensor receives the result; other ranks reduce a copy (left unchanged)."""
+        tensors = _as_list(tensors)
+        op = _reduce_op(opts.reduceOp if opts is not None else _RedOp.SUM, "reduce")
+        root = opts.rootRank if opts is not None else 0
+        if not 0 <= root < self._world:
+            raise ConfigError(f"redsock reduce: root {root} is not a rank of a group of {self._world}")
+        if root == self._me:
+            staged = [Staged(t, read=True, write=True, what="reduce") for t in tensors]
+        else:
+            for t in tensors:
+                check_tensor(t, "reduce")
+            staged = [Staged(t.detach().clone(), read=True, write=False, what="reduce") for t in tensors]
+        return self._collective("reduce", tensors, staged,
+                                lambda: [self.comm.all_reduce(s.array, op, async_op=True) for s in staged],
+                                lambda: tensors)
+
+    # -- barrier ---------------------------------------------------------------------------
+
+    def barrier(self, opts: Any = None) -> RedsockWork:
+        """Done when every rank entered it and this rank's earlier operations are complete."""
+        work = self._new_work("barrier", ())
+        earlier = [done_future(w) for w in self._tracker.pending()]
+        token = np.zeros(1, np.uint8)
+        # On the communicator's thread, after every collective submitted before it.
+        part = self.comm.all_reduce(token, "sum", algorithm="small", async_op=True).get_future()
+        return self._tracker.complete_when_done(work, [*earlier, part], lambda: [], keep=token)
+
+    # -- point-to-point ------------------------------------------------------------------------
+
+    def send(self, tensors: Any, dstRank: int, tag: int = 0) -> RedsockWork:  # noqa: N803 - torch's names
+        tensors = _as_list(tensors)
+        dst = self._check_peer(dstRank, "send")
+        tag = _user_tag(tag, "send")
+        staged = [Staged(t, read=True, write=False, what="send") for t in tensors]
+        jobs = [("send", dst, tag, _sender(self.comm, s.array, dst, tag)) for s in staged]
+        return self._p2p("send", tensors, staged, jobs, lambda: tensors)
+
+    def recv(self, tensors: Any, srcRank: int, tag: int = 0) -> RedsockWork:  # noqa: N803
+        tensors = _as_list(tensors)
+        src = self._check_peer(srcRank, "recv")
+        tag = _user_tag(tag, "recv")
+        staged = [Staged(t, read=False, write=True, what="recv") for t in tensors]
+        jobs = [("recv", src, tag, _receiver(self.comm, s.array, src, tag)) for s in staged]
+        return self._p2p("recv", tensors, staged, jobs, lambda: tensors)
+
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> RedsockWork:
+        raise ConfigError("redsock recv: receiving from any source is not supported; pass src=")
+
+    # -- all-to-all --------------------------------------------------------------------------
+
+    def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
+        """List form: ``output_tensors[j]`` = rank j's ``input_tensors[rank]``."""
+        outputs, inputs = _as_list(output_tensors), _as_list(input_tensors)
+        if len(outputs) != self._world or len(inputs) != self._world:
+            raise ConfigError(f"redsock alltoall: expected {self._world} input and output tensors, "
+                              f"got {len(inputs)} and {len(outputs)}")
+        staged_in = [Staged(t, read=True, write=False, what="alltoall") for t in inputs]
+        staged_out = [Staged(t, read=False, write=True, what="alltoall") for t in outputs]
+        me = self._me
+        if staged_in[me].array.nbytes != staged_out[me].array.nbytes or inputs[me].dtype != outputs[me].dtype:
+            raise ConfigError("redsock alltoall: input and output tensors for this rank differ in size or dtype")
+        sync_devices(inputs)  # (CUDA: the staged copy must have landed before we read it)
+        staged_out[me].array[...] = staged_in[me].array
+        jobs = self._exchange([s.array for s in staged_in], [s.array for s in staged_out], _ALLTOALL_TAG)
+        return self._p2p("alltoall", [*outputs, *inputs], [*staged_in, *staged_out], jobs, lambda: outputs)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
+                          input_split_sizes: Sequence[int], opts: Any = None) -> RedsockWork:
+        """Rows (dim 0) ``input_split_sizes[j]`` go to rank j; rank j's rows land at
+        ``output_split_sizes[j]``.  Empty split lists mean equal splits."""
+        check_tensor(output, "alltoall_base")
+        check_tensor(input, "alltoall_base")
+        if output.dtype != input.dtype:
+            raise ConfigError(f"redsock alltoall_base: input is {input.dtype} but output is {output.dtype}")
+        in_splits = _splits(input, input_split_sizes, self._world, "input")
+        out_splits = _splits(output, output_split_sizes, self._world, "output")
+        row_in, row_out = _row_numel(input), _row_numel(output)
+        if row_in != row_out and input.numel() and output.numel():
+            raise ConfigError(f"redsock alltoall_base: rows of input ({row_in} elements) and output "
+                              f"({row_out}) differ")
+        src = Staged(input, read=True, write=False, what="alltoall_base")
+        dst = Staged(output, read=False, write=True, what="alltoall_base")
+        sends = _segments(src.array, in_splits, row_in)
+        recvs = _segments(dst.array, out_splits, row_out)
+        me = self._me
+        if sends[me].size != recvs[me].size:
+            raise ConfigError(f"redsock alltoall_base: this rank sends itself {sends[me].size} elements "
+                              f"but expects {recvs[me].size}")
+        sync_devices([input])
+        recvs[me][...] = sends[me]
+        jobs = self._exchange(sends, recvs, _ALLTOALL_TAG)
+        return self._p2p("alltoall_base", [output, input], [src, dst], jobs, lambda: [output])
+
+    alltoall_base = all_to_all_single
+
+    def _exchange(self, sends: list[np.ndarray], recvs: list[np.ndarray],
+                  tag: int) -> list[tuple[str, int, int, Callable[[], None]]]:
+        """Send/recv jobs with every other rank, shifted (to rank+i, from rank-i) so no rank
+        is everyone's first peer; each (direction, peer) has its own lane, so no job waits
+        behind another and the pattern cannot deadlock."""
+        jobs = []
+        world, me = self._world, self._me
+        for i in range(1, world):
+            to, frm = (me + i) % world, (me - i) % world
+            jobs.append(("send", to, tag, _sender(self.comm, sends[to], to, tag)))
+            jobs.append(("recv", frm, tag, _receiver(self.comm, recvs[frm], frm, tag)))
+        return jobs
+
+    # -- gather / scatter (point-to-point to or from the root) ---------------------------------
+
+    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
+        inputs = _as_list(input_tensors)
+        root = opts.rootRank if opts is not None else 0
+        if len(inputs) != 1:
+            raise ConfigError(f"redsock gather: expected one input tensor, got {len(inputs)}")
+        src = Staged(inputs[0], read=True, write=False, what="gather")
+        if root != self._me:
+            self._check_peer(root, "gather root")
+            jobs = [("send", root, _GATHER_TAG, _sender(self.comm, src.array, root, _GATHER_TAG))]
+            return self._p2p("gather", inputs, [src], jobs, lambda: [])
+        outs = [list(o) for o in output_tensors]
+        if len(outs) != 1 or len(outs[0]) != self._world:
+            raise ConfigError(f"redsock gather: the root needs one list of {self._world} output tensors")
+        staged = [Staged(t, read=False, write=True, what="gather") for t in outs[0]]
+        for r, s in enumerate(staged):
+            if s.array.nbytes != src.array.nbytes or s.tensor.dtype != inputs[0].dtype:
+                raise ConfigError(f"redsock gather: output tensor {r} differs from the input in size or dtype")
+        sync_devices(inputs)
+        staged[self._me].array[...] = src.array
+        jobs = [("recv", r, _GATHER_TAG, _receiver(self.comm, s.array, r, _GATHER_TAG))
+                for r, s in enumerate(staged) if r != self._me]
+        return self._p2p("gather", [*inputs, *outs[0]], [src, *staged], jobs, lambda: outs[0])
+
+    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
+        outputs = _as_list(output_tensors)
+        root = opts.rootRank if opts is not None else 0
+        if len(outputs) != 1:
+            raise ConfigError(f"redsock scatter: expected one output tensor, got {len(outputs)}")
+        dst = Staged(outputs[0], read=False, write=True, what="scatter")
+        if root != self._me:
+            self._check_peer(root, "scatter root")
+            jobs = [("recv", root, _SCATTER_TAG, _receiver(self.comm, dst.array, root, _SCATTER_TAG))]
+            return self._p2p("scatter", outputs, [dst], jobs, lambda: outputs)
+        ins = [list(i) for i in input_tensors]
+        if len(ins) != 1 or len(ins[0]) != self._world:
+            raise ConfigError(f"redsock scatter: the root needs one list of {self._world} input tensors")
+        staged = [Staged(t, read=True, write=False, what="scatter") for t in ins[0]]
+        for r, s in enumerate(staged):
+            if s.array.nbytes != dst.array.nbytes or s.tensor.dtype != outputs[0].dtype:
+                raise ConfigError(f"redsock scatter: input tensor {r} differs from the output in size or dtype")
+        sync_devices(ins[0])
+        dst.array[...] = staged[self._me].array
+        jobs = [("send", r, _SCATTER_TAG, _sender(self.comm, s.array, r, _SCATTER_TAG))
+                for r, s in enumerate(staged) if r != self._me]
+        return self._p2p("scatter", [*outputs, *ins[0]], [dst, *staged], jobs, lambda: outputs)
+
+    # -- coalescing (torch's _coalescing_manager) ---------------------------------------------
+
+    def start_coalescing(self, device: Any = None) -> None:
+        # Operations already run asynchronously; coalescing only groups their Works.
+        self._tracker.start_coalescing()
+
+    def end_coalescing(self, device: Any = None) -> RedsockWork:
+        works = self._tracker.end_coalescing()
+        work = self._new_work("coalesced", ())
+        return self._tracker.complete_when_done(work, [done_future(w) for w in works], lambda: [])
+
+    # torch 2.13's _coalescing_manager calls these bindings directly (its C++ side does not
+    # dispatch them to Python); newer versions reach start_/end_coalescing above.
+    _start_coalescing = start_coalescing
+    _end_coalescing = end_coalescing
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Close the communicator (``dist.destroy_process_group``); operations still queued fail."""
+        if self._shut:
+            return
+        self._shut = True
+        self._lanes.shutdown()
+        self.comm.close()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def _user_tag(tag: int, what: str) -> int:
+    if not isinstance(tag, int) or not 0 <= tag < _MAX_USER_TAG:
+        raise ConfigError(f"redsock {what}: tag must be an integer in [0, 2**31), got {tag!r}")
+    return tag
+
+
+def _sender(comm: Communicator, array: np.ndarray, dst: int, tag: int) -> Callable[[], None]:
+    return lambda: comm.send(array, dst, tag)
+
+
+def _receiver(comm: Communicator, array: np.ndarray, src: int, tag: int) -> Callable[[], None]:
+    return lambda: comm.recv(array, src, tag)
+
+
+def _row_numel(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:]) if t.dim() > 0 else 1
+
+
+def _splits(t: torch.Tensor, sizes: Sequence[int], world: int, what: str) -> list[int]:
+    rows = t.shape[0] if t.dim() > 0 else 1
+    if not sizes:
+        if rows % world:
+            raise ConfigError(f"redsock alltoall_base: {what} has {rows} rows, not divisible by the world "
+                              f"size {world}; pass {what}_split_sizes")
+        return [rows // world] * world
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != world or any(s < 0 for s in sizes) or sum(sizes) != rows:
+        raise ConfigError(f"redsock alltoall_base: {what}_split_sizes {sizes} must be {world} non-negative "
+                          f"row counts summing to {rows}")
+    return sizes
+
+
+def _segments(flat: np.ndarray, splits: list[int], row: int) -> list[np.ndarray]:
+    out, start = [], 0
+    for s in splits:
+        out.append(flat[start:start + s * row])
+        start += s * row
+    return out

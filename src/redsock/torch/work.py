@@ -1,0 +1,176 @@
+"""``dist.Work`` objects for redsock operations, completed from the communicator's threads.
+
+Why not ``_create_work_from_future``: in torch 2.13 the Work it returns reports
+success from ``wait()`` even when the future failed, and a Python
+``Future.set_exception`` only marks the *Python* wrapper as failed — C++
+consumers such as DDP's reducer would read the exception object as a value.
+So each operation completes a private future, and the future handed out is
+``private.then(_unwrap)``: a callback that raises turns into a real C++-level
+error, which both ``Future.wait()`` and DDP see.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PeerFailure, Timeout
+
+
+class _Failed:
+    """What the private future carries when the operation failed."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _unwrap(fut: torch.futures.Future) -> Any:
+    value = fut.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
+class RedsockWork(dist.Work):
+    """Handle of one redsock operation: ``wait()`` raises the operation's error (e.g.
+    :class:`~redsock.errors.PeerFailure`), ``get_future()`` is what DDP chains on."""
+
+    def __init__(self, what: str, devices: Sequence[torch.device] = ()):
+        super().__init__()
+        self.what = what
+        # A future that holds CUDA tensors must name their devices (torch checks on completion).
+        self._private = torch.futures.Future(devices=list(devices)) if devices else torch.futures.Future()
+        self._future = self._private.then(_unwrap)
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._keep: Any = None  # buffers that must outlive the operation (staged copies, temporaries)
+
+    # -- dist.Work API ------------------------------------------------------------
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Block until the operation is done; raise its error if it failed.  ``timeout``
+        (a timedelta or seconds; 0/None: no limit) raises :class:`~redsock.errors.Timeout`."""
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if not self._done.wait(seconds or None):
+            raise Timeout(f"redsock {self.what} not complete after {seconds:g}s", op=self.what)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        """The output tensors (after :meth:`wait`)."""
+        self.wait()
+        value = self._future.value()
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def synchronize(self) -> None:
+        # Results are already in place (CPU, or copied back and synchronised) when done.
+        self.wait()
+
+    # -- completion (called from the communicator's threads) -----------------------
+
+    def _set_result(self, value: Any) -> None:
+        self._keep = None
+        self._private.set_result(value)
+        self._done.set()
+
+    def _set_error(self, error: BaseException) -> None:
+        self._keep = None
+        self._error = error
+        self._private.set_result(_Failed(error))
+        self._done.set()
+
+
+class Tracker:
+    """Operations in flight of one process group: keeps each Work (and its buffers)
+    alive until complete, and completes it when all its parts are done."""
+
+    def __init__(self) -> None:
+        self._inflight: dict[int, RedsockWork] = {}
+        self._lock = threading.Lock()
+        self._coalescing: list[RedsockWork] | None = None
+
+    def complete_when_done(self, work: RedsockWork, parts: Sequence[Future], finish: Callable[[], Any],
+                           keep: Any = None) -> RedsockWork:
+        """Complete ``work`` with ``finish()`` (copy-backs; returns the future's value) once
+        every future in ``parts`` is done, or with the first error among them."""
+        work._keep = keep
+        with self._lock:
+            self._inflight[id(work)] = work
+            if self._coalescing is not None:
+                self._coalescing.append(work)
+        state = {"left": len(parts), "error": None}
+        lock = threading.Lock()
+
+        def settle() -> None:
+            with self._lock:
+                self._inflight.pop(id(work), None)
+            if state["error"] is not None:
+                work._set_error(state["error"])
+                return
+            try:
+                value = finish()
+            except BaseException as e:  # a failed copy-back must fail the Work, not vanish in a callback
+                work._set_error(e)
+                return
+            work._set_result(value)
+
+        def part_done(f: Future) -> None:
+            try:
+                err = f.exception()
+            except CancelledError:
+                err = PeerFailure(f"redsock {work.what} cancelled: the process group was shut down")
+            with lock:
+                if err is not None and state["error"] is None:
+                    state["error"] = err
+                state["left"] -= 1
+                last = state["left"] == 0
+            if last:
+                settle()
+
+        if not parts:
+            settle()
+        for f in parts:
+            f.add_done_callback(part_done)
+        return work
+
+    def pending(self) -> list[RedsockWork]:
+        with self._lock:
+            return list(self._inflight.values())
+
+    def start_coalescing(self) -> None:
+        with self._lock:
+            self._coalescing = []
+
+    def end_coalescing(self) -> list[RedsockWork]:
+        with self._lock:
+            works, self._coalescing = self._coalescing or [], None
+        return works
+
+
+def done_future(work: RedsockWork) -> Future:
+    """A concurrent Future that completes (or fails) with ``work``."""
+    f: Future = Future()
+    work._future.add_done_callback(lambda _: f.set_exception(work._error) if work._error is not None
+                                   else f.set_result(None))
+    return f

@@ -1,0 +1,243 @@
+"""The ``redsock`` torch.distributed backend: every operation against gloo in the same
+processes, subgroups, async work, autoload at ``import torch``, failures, and DDP training
+(ring, reduction servers, and the comm hook) against the same training on gloo."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+TESTS = Path(__file__).parent
+WORKER = TESTS / "torch_worker.py"
+TRAIN = TESTS.parent / "examples" / "train_lm.py"
+# Small enough that 3 ranks x 20 steps take seconds on 2 cores; the 100 KB buckets make
+# DDP send several all-reduces per step (about 160 K parameters).
+SMALL_LM = ["--steps", "20", "--warmup", "0", "--vocab", "512", "--d-model", "64", "--layers", "2",
+            "--heads", "2", "--seq-len", "32", "--batch-size", "2", "--optimizer", "sgd",
+            "--bucket-cap-mb", "0.1", "--log-every", "1000"]
+
+
+def launch(argv: list[str], world: int, env: dict[str, str] | None = None,
+           timeout: float = 120) -> list[tuple[int, str, str]]:
+    """Run ``python argv...`` as ``world`` ranks with torchrun's variables; the store is
+    hosted here (as torchrun's agent does), so no port is picked twice.  Returns
+    (returncode, stdout, stderr) per rank; never hangs past ``timeout``."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=60),
+                     wait_for_workers=False)
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+            "WORLD_SIZE": str(world), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": "0", "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(world)]
+    outs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                out, err = p.communicate()
+                err += f"\n[killed after {timeout:g}s]"
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
+def check_ok(outs: list[tuple[int, str, str]]) -> None:
+    """Every rank exited 0 and printed ``ok`` last; otherwise show every rank's stderr."""
+    bad = [r for r, (code, out, _) in enumerate(outs) if code != 0 or not out.rstrip().endswith("ok")]
+    if bad:
+        report = "\n".join(f"--- rank {r} (exit {code}) stdout:\n{out[-2000:]}\nstderr:\n{err[-6000:]}"
+                           for r, (code, out, err) in enumerate(outs))
+        pytest.fail(f"ranks {bad} failed:\n{report}")
+
+
+def worker(scenario: str, world: int, **kw) -> list[tuple[int, str, str]]:
+    return launch([str(WORKER), scenario], world, **kw)
+
+
+# -- operations against gloo ---------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_every_operation_matches_gloo(world):
+    check_ok(worker("ops", world))
+
+
+def test_async_work_and_futures():
+    check_ok(worker("async", 3))
+
+
+def test_subgroups_each_with_their_own_communicator():
+    check_ok(worker("subgroups", 3))
+
+
+def test_dead_rank_fails_the_others_work_with_peer_failure():
+    t0 = time.monotonic()
+    outs = worker("failure", 3, env={"TEST_TIMEOUT_S": "20"}, timeout=90)
+    assert outs[2][0] == 9, outs[2][2][-3000:]
+    check_ok(outs[:2])
+    for _, out, _ in outs[:2]:
+        assert "raised PeerFailure ranks=[2]" in out, out
+        assert "then raised PeerFailure" in out, out
+    assert time.monotonic() - t0 < 60
+
+
+# -- registration ---------------------------------------------------------------------------
+
+def _entry_point_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.name == "redsock" for ep in entry_points(group="torch.backends"))
+
+
+@pytest.mark.skipif(not _entry_point_installed(), reason="redsock is not installed (pip install -e .)")
+def test_import_torch_alone_registers_redsock():
+    probe = ("import sys, torch, torch.distributed as dist; "
+             "print('redsock' in dist.Backend.backend_list, 'redsock.torch.backend' in sys.modules, "
+             "dist.Backend.default_device_backend_map['cpu'])")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    # registered, without importing the heavy modules, and gloo stays the default for cpu
+    assert out.stdout.split() == ["True", "False", "gloo"], out.stdout + out.stderr
+    off = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**env, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert off.stdout.split()[0] == "False", "registered without the entry point?"
+
+
+def test_autoload_logs_instead_of_breaking_import_torch(monkeypatch, caplog):
+    from redsock.torch import registration
+
+    def broken() -> None:
+        raise RuntimeError("simulated registration failure")
+
+    monkeypatch.setattr(registration, "register", broken)
+    with caplog.at_level(logging.WARNING, logger="redsock.torch"):
+        registration.autoload()  # must not raise
+    assert "could not register" in caplog.text and "simulated registration failure" in caplog.text
+
+
+def test_single_rank_group_in_process_and_clear_errors():
+    import redsock.torch
+    from redsock.errors import ConfigError
+
+    store = dist.HashStore()
+    dist.init_process_group("redsock", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
+    try:
+        pg = dist.group.WORLD
+        assert isinstance(pg, redsock.torch.ProcessGroupRedsock) and pg.getBackendName() == "redsock"
+        x = torch.arange(6, dtype=torch.bfloat16)
+        work = dist.all_reduce(x, op=dist.ReduceOp.AVG, async_op=True)
+        assert work.wait(timeout=timedelta(seconds=10)) and torch.equal(x, torch.arange(6, dtype=torch.bfloat16))
+        assert work.get_future().value()[0] is x
+        with pytest.raises(ConfigError, match="BXOR is not supported"):
+            dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.BXOR)
+        with pytest.raises(ConfigError, match="any source"):
+            dist.recv(torch.ones(2))
+        with pytest.raises(ConfigError, match="pg_options must be"):
+            dist.new_group([0], backend="redsock", pg_options=42)
+        sub = dist.new_group([0], backend="redsock", timeout=timedelta(seconds=12),
+                             pg_options=redsock.torch.Options(algo="ring", nsocks=2))
+        assert sub.comm.config.nsocks == 2 and sub.comm.config.algo == "ring"
+        # torch's timeout becomes redsock's
+        assert pg.comm.config.timeout_s == 30 and sub.comm.config.timeout_s == 12
+        assert sub.comm is not pg.comm and sub.group_name != pg.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+# -- DDP training ------------------------------------------------------------------------------
+
+def train(tmp_path: Path, name: str, backend: str, *, hook: str = "none", env: dict[str, str] | None = None,
+          world: int = 3) -> list[dict[str, torch.Tensor]]:
+    """Train the example LM (small) on ``world`` ranks; returns each rank's final parameters."""
+    files = str(tmp_path / f"{name}_{{rank}}.pt")
+    outs = launch([str(TRAIN), "--backend", backend, "--hook", hook, *SMALL_LM, "--save-params", files],
+                  world, env=env, timeout=150)
+    for r, (code, out, err) in enumerate(outs):
+        assert code == 0, f"{name}: rank {r} failed:\n{out[-2000:]}\n{err[-6000:]}"
+    return [torch.load(files.replace("{rank}", str(r))) for r in range(world)]
+
+
+def assert_identical_across_ranks(params: list[dict[str, torch.Tensor]], name: str) -> None:
+    for r, p in enumerate(params[1:], 1):
+        for k, v in p.items():
+            assert torch.equal(v, params[0][k]), f"{name}: rank {r} differs from rank 0 in {k} (bitwise)"
+
+
+def assert_close_to(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], name: str) -> None:
+    assert params.keys() == ref.keys()
+    for k in ref:
+        # different summation orders: float rounding only, after 20 SGD steps
+        torch.testing.assert_close(params[k], ref[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {k}: {m}")
+
+
+@pytest.fixture(scope="module")
+def gloo_params(tmp_path_factory):
+    params = train(tmp_path_factory.mktemp("gloo"), "gloo", "gloo")
+    assert_identical_across_ranks(params, "gloo")
+    return params[0]
+
+
+@pytest.fixture
+def reducers():
+    """Two `redsock serve` processes on loopback; yields "host:port,host:port"."""
+    procs, addrs = [], []
+    try:
+        for _ in range(2):
+            p = subprocess.Popen([sys.executable, "-m", "redsock", "serve", "--host", "127.0.0.1", "--port", "0"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            procs.append(p)
+            line = p.stdout.readline()
+            m = re.search(r"on (\S+):(\d+)", line)
+            assert m, line + p.stderr.read()
+            addrs.append(f"{m.group(1)}:{m.group(2)}")
+        yield ",".join(addrs)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_ddp_on_redsock_ring_matches_gloo(tmp_path, gloo_params):
+    params = train(tmp_path, "ring", "redsock", env={"REDSOCK_ALGO": "ring"})
+    assert_identical_across_ranks(params, "redsock ring")
+    assert_close_to(params[0], gloo_params, "redsock ring")
+
+
+def test_ddp_through_reduction_servers_matches_gloo(tmp_path, gloo_params, reducers):
+    params = train(tmp_path, "servers", "redsock",
+                   env={"REDSOCK_SERVERS": reducers, "REDSOCK_ALGO": "server", "REDSOCK_PIECE_BYTES": "16K"})
+    assert_identical_across_ranks(params, "redsock servers")
+    assert_close_to(params[0], gloo_params, "redsock servers")
+
+
+def test_ddp_comm_hook_on_a_gloo_job_matches_gloo(tmp_path, gloo_params):
+    params = train(tmp_path, "hook", "gloo", hook="redsock", env={"REDSOCK_ALGO": "ring"})
+    assert_identical_across_ranks(params, "gloo + redsock hook")
+    assert_close_to(params[0], gloo_params, "gloo + redsock hook")

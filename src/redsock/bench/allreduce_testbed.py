@@ -65,9 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", default="uniform", choices=PROFILES,
                    help="with --testbed: uniform | perflow | slow-server (reducer s0 at rate/2)")
     g.add_argument("--prefix", help="with --testbed: namespace prefix (default rsar<pid>)")
-    g.add_argument("--tcp-cc", metavar="NAME",
-                   help="with --testbed: TCP congestion control in every host namespace, e.g. cubic, bbr "
-                        "(default: the system's, net.ipv4.tcp_congestion_control)")
+    g.add_argument("--tcp-cc", metavar="NAME", default="reno",
+                   help="with --testbed: TCP congestion control in every host namespace (default reno: "
+                        "loss-based like Linux's usual cubic, which this kernel may not offer; BBR through "
+                        "tbf links with no propagation delay drops heavily with many flows)")
 
 
 def _testbed_dests() -> set[str]:

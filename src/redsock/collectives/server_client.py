@@ -32,7 +32,10 @@ class ServerGroup:
 
     def __init__(self, servers: tuple[str, ...], config: Config, job: int, rank: int, world: int):
         self.addresses = [parse_hostport(s) for s in servers]
-        self.config, self.job, self.rank, self.world = config, job, rank, world
+        # A worker's link carries its connections to every reducer: split the stream budget
+        # among them (the reducers already spread the flows) rather than multiply it.
+        self.config = config.replace(nsocks=max(1, config.nsocks // len(self.addresses)))
+        self.job, self.rank, self.world = job, rank, world
         self._conns: list[Connection | None] = [None] * len(self.addresses)
         self._lock = threading.Lock()
 

@@ -34,6 +34,7 @@ namespaces by prefix alone, so they also clean up after a crashed run.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 import re
 import subprocess
 from dataclasses import asdict, dataclass
@@ -208,7 +209,7 @@ def cleanup_prefix(prefix: str, state_dir: Path | str = STATE_DIR) -> list[str]:
 _T = TypeVar("_T", bound="NetnsTopology")
 
 
-class NetnsTopology:
+class NetnsTopology(ABC):
     """Common machinery: namespaces by prefix, exec/popen inside them, state, status, cleanup.
 
     Subclasses fill ``self.hosts`` in ``__init__`` and implement ``_build()``.
@@ -290,8 +291,9 @@ class NetnsTopology:
     def __exit__(self, *exc: object) -> None:
         self.down()
 
+    @abstractmethod
     def _build(self) -> None:
-        raise NotImplementedError
+        """Create this topology's namespaces, links, addresses and shaping."""
 
     # -------------------------------------------------------------- running
 
@@ -372,8 +374,9 @@ class NetnsTopology:
 
     # ---------------------------------------------------------------- state
 
+    @abstractmethod
     def _params(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The constructor arguments that rebuild this topology from its state file."""
 
     def _write_state(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)

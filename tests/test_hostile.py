@@ -121,3 +121,35 @@ def test_reducer_survives_hostile_clients_while_a_job_runs():
         assert not log, log
         assert server.listener.rejected > 0
         assert server.stats()["rounds"] == 0
+
+
+def _announce(conn, job, rank, world=2, op_seq=0):
+    ann = wire.Announce(job=job, op_seq=op_seq, dtype_code=ops.dtype_code(np.float32), op_code=ops.ReduceOp.SUM.code,
+                        world=world, rank=rank, flags=0, count=4, piece_elems=4, nservers=1, server_index=0)
+    conn.send(ann.encode(), wire.ANNOUNCE_TAG, timeout=5)
+
+
+def test_job_identity_is_bound_to_the_connection():
+    """A connection that joined job A as rank 0 cannot switch to job B, nor can a second
+    connection take over a live (job, rank): both are cut off, the first job is untouched."""
+    cfg = Config(timeout_s=10, token=TOKEN)
+    with ReductionServer("127.0.0.1", 0, config=cfg) as server:
+        a0 = connect(server.address, config=cfg, name="a0")
+        a1 = connect(server.address, config=cfg, name="a1")
+        _announce(a0, job=111, rank=0)
+        a0.send(np.ones(4, np.float32), wire.piece_tag(0, 0), timeout=5)
+        thief = connect(server.address, config=cfg, name="thief")
+        _announce(thief, job=111, rank=0)  # rank 0 of job 111 is taken
+        with pytest.raises(RedsockError):
+            thief.recv(np.empty(4, np.float32), wire.piece_tag(0, 0), timeout=5)
+        _announce(a1, job=111, rank=1)
+        a1.send(np.full(4, 2, np.float32), wire.piece_tag(0, 0), timeout=5)
+        out0, out1 = np.empty(4, np.float32), np.empty(4, np.float32)
+        a0.recv(out0, wire.piece_tag(0, 0), timeout=5)
+        a1.recv(out1, wire.piece_tag(0, 0), timeout=5)
+        assert np.all(out0 == 3) and np.all(out1 == 3)  # the job's own sum, untouched
+        _announce(a1, job=222, rank=1, op_seq=1)  # switching jobs on a bound connection
+        with pytest.raises(RedsockError):
+            a1.recv(np.empty(4, np.float32), wire.piece_tag(1, 0), timeout=5)
+        for c in (a0, a1, thief):
+            c.close()

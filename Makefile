@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	mkdir -p out
-	$(PY) -m redsock bench allreduce --nprocs 4 -b 8 -e 64M -f 8 --algo auto,gloo --check \
+	$(PY) -m redsock bench allreduce --nprocs 4 -b 16 -e 64M -f 4 --algo auto,gloo --check \
 		--json out/allreduce.json --plot out/allreduce.png
 
 test: setup

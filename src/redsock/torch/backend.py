@@ -318,21 +318,30 @@ class ProcessGroupRedsock(dist.ProcessGroup):
 
     def _gather_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                              what: str) -> RedsockWork:
+        return self._paired(outputs, inputs, what, output_is_whole=True,
+                            start=lambda i, o: self.comm.all_gather(i, o, async_op=True))
+
+    def _paired(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], what: str, *,
+                output_is_whole: bool, start: Callable[[Any, Any], Any]) -> RedsockWork:
+        """Tensor-pair collectives where one side of each pair holds world × the other's elements
+        (all-gather: the output; reduce-scatter: the input)."""
         if len(outputs) != len(inputs):
             raise ConfigError(f"redsock {what}: {len(outputs)} outputs for {len(inputs)} inputs")
         staged_in, staged_out = [], []
         for out, inp in zip(outputs, inputs):
             check_tensor(out, what)
             check_tensor(inp, what)
-            if out.numel() != self._world * inp.numel():
-                raise ConfigError(f"redsock {what}: output has {out.numel()} elements, expected world size × "
-                                  f"input = {self._world} × {inp.numel()}")
+            whole, part, names = ((out, inp, ("output", "input")) if output_is_whole
+                                  else (inp, out, ("input", "output")))
+            if whole.numel() != self._world * part.numel():
+                raise ConfigError(f"redsock {what}: {names[0]} has {whole.numel()} elements, expected world size × "
+                                  f"{names[1]} = {self._world} × {part.numel()}")
             same_dtype([out], inp.dtype, what)
             staged_in.append(Staged(inp, read=True, write=False, what=what))
             staged_out.append(Staged(out, read=False, write=True, what=what))
         return self._collective(
             what, [*outputs, *inputs], [*staged_in, *staged_out],
-            lambda: [self.comm.all_gather(i.array, o.array, async_op=True) for i, o in zip(staged_in, staged_out)],
+            lambda: [start(i.array, o.array) for i, o in zip(staged_in, staged_out)],
             lambda: outputs)
 
     # -- reduce-scatter --------------------------------------------------------------------
@@ -381,23 +390,8 @@ class ProcessGroupRedsock(dist.ProcessGroup):
     def _scatter_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any,
                               what: str) -> RedsockWork:
         op = _reduce_op(opts.reduceOp if opts is not None else _RedOp.SUM, what)
-        if len(outputs) != len(inputs):
-            raise ConfigError(f"redsock {what}: {len(outputs)} outputs for {len(inputs)} inputs")
-        staged_in, staged_out = [], []
-        for out, inp in zip(outputs, inputs):
-            check_tensor(out, what)
-            check_tensor(inp, what)
-            if inp.numel() != self._world * out.numel():
-                raise ConfigError(f"redsock {what}: input has {inp.numel()} elements, expected world size × "
-                                  f"output = {self._world} × {out.numel()}")
-            same_dtype([out], inp.dtype, what)
-            staged_in.append(Staged(inp, read=True, write=False, what=what))
-            staged_out.append(Staged(out, read=False, write=True, what=what))
-        return self._collective(
-            what, [*outputs, *inputs], [*staged_in, *staged_out],
-            lambda: [self.comm.reduce_scatter(i.array, o.array, op, async_op=True)
-                     for i, o in zip(staged_in, staged_out)],
-            lambda: outputs)
+        return self._paired(outputs, inputs, what, output_is_whole=False,
+                            start=lambda i, o: self.comm.reduce_scatter(i, o, op, async_op=True))
 
     # -- reduce (built on all-reduce) ----------------------------------------------------------
 

@@ -10,7 +10,9 @@ import logging
 
 def autoload() -> None:
     try:
-        from redsock.torch import autoload as register
+        # The submodule, not the package: `import redsock.torch` may itself be what is
+        # importing torch right now, so the package can be half-initialised here.
+        from redsock.torch.registration import autoload as register
         register()
     except Exception:
         logging.getLogger("redsock").warning("redsock: the torch backend could not be registered", exc_info=True)

@@ -42,8 +42,6 @@ def matrix(comm, rank, world):
 
 
 def others(comm, rank, world):
-    rng = np.random.default_rng(7)
-    full = [rng.standard_normal(3 * world * 5 + 0).astype(np.float32) for _ in range(world)]
     # reduce_scatter: segment `rank` of the elementwise sum
     for dname in ("float32", "bfloat16", "int32"):
         dt = ops.dtype_from_name(dname)

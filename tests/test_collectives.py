@@ -6,7 +6,6 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 WORKER = Path(__file__).parent / "collective_worker.py"

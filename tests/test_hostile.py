@@ -1,6 +1,5 @@
 """Hostile input: fuzzed decoders, and a live reducer under attack while a real job runs beside it."""
 
-import os
 import socket
 import threading
 import time

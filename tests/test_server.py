@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -15,14 +16,18 @@ from redsock.server import ReductionServer
 from test_collectives import digests, run_world
 
 
-def start_reducer(env=None):
-    """`redsock serve` in its own process on a free port; returns (proc, "host:port")."""
-    proc = subprocess.Popen([sys.executable, "-m", "redsock", "serve", "--host", "127.0.0.1", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+def start_reducer(env=None, port=0, log=None):
+    """`redsock serve` in its own process; returns (proc, "host:port").  Its log goes to a
+    file: an unread pipe would fill up and block the daemon mid-round."""
+    log = log or tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, "-m", "redsock", "serve", "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **(env or {})})
+    proc.log = log
     line = proc.stdout.readline()
     m = re.search(r"on (\S+):(\d+)", line)
-    assert m, line + proc.stderr.read()
+    if not m:
+        log.seek(0)
+        raise AssertionError(line + log.read())
     return proc, f"{m.group(1)}:{m.group(2)}"
 
 
@@ -133,8 +138,7 @@ def test_fallback_to_ring_when_a_reducer_dies_and_reuse_after_restart(reducers, 
         victim.kill()
         victim.wait()
         time.sleep(3)
-        restarted.append(subprocess.Popen([sys.executable, "-m", "redsock", "serve", "--host", "127.0.0.1",
-                                           "--port", port], stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        restarted.append(start_reducer(port=port)[0])
 
     timer = threading.Timer(3.0, kill_then_restart)
     timer.start()
@@ -145,7 +149,9 @@ def test_fallback_to_ring_when_a_reducer_dies_and_reuse_after_restart(reducers, 
         logs = []
         for p in restarted:
             p.send_signal(signal.SIGTERM)
-            logs.append(p.communicate(timeout=10)[1].decode())
+            p.wait(timeout=10)
+            p.log.seek(0)
+            logs.append(p.log.read())
     for r, (code, out, err) in enumerate(outs):
         assert code == 0 and "done" in out, f"rank {r}:\n{err[-3000:]}"
         assert "finishing it by ring" in err  # warned, and went on

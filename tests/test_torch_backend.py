@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from test_server import start_reducer
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -206,13 +206,9 @@ def reducers():
     procs, addrs = [], []
     try:
         for _ in range(2):
-            p = subprocess.Popen([sys.executable, "-m", "redsock", "serve", "--host", "127.0.0.1", "--port", "0"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            p, addr = start_reducer()
             procs.append(p)
-            line = p.stdout.readline()
-            m = re.search(r"on (\S+):(\d+)", line)
-            assert m, line + p.stderr.read()
-            addrs.append(f"{m.group(1)}:{m.group(2)}")
+            addrs.append(addr)
         yield ",".join(addrs)
     finally:
         for p in procs:

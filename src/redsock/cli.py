@@ -59,6 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["token"] = read_token_file(args.token_file)
     server = ReductionServer(args.host, args.port, config=Config.from_env(**overrides), threads=args.threads,
                              metrics_port=args.metrics_port)
+    server.stop_on_signals()  # before the ready line: a supervisor may signal right after reading it
     print(f"redsock reduction server on {server.address[0]}:{server.address[1]}", flush=True)
     server.serve_forever()
     return 0

@@ -567,7 +567,7 @@ def format_table(rows: list[TransportRow], rates: Sequence[int]) -> str:
     head = (f"{'size':>8} {'impl':>7} {'balance':>7} {'streams':>7} {'stream classes':>15} "
             f"{'hit':>8} {'cap Mbit':>8} {'good Mbit':>9} {'Gbit/s':>7} {'% cap':>6} {'% good':>6} "
             f"{'reps Gbit/s':>18}")
-    lines = [f"path classes (Mbit/s): " + ", ".join(f"{i}={_mbit(r)}" for i, r in enumerate(rates))
+    lines = ["path classes (Mbit/s): " + ", ".join(f"{i}={_mbit(r)}" for i, r in enumerate(rates))
              + f"; goodput capacity = {GOODPUT_FACTOR} x configured", head, "-" * len(head)]
     for r in rows:
         e = r.extra

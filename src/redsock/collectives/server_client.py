@@ -71,14 +71,25 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
     # either all ranks keep the servers' result or all redo the call by ring.
     saved = ctx.scratch(x.size, x.dtype)
     saved[:] = flat(x)
-    failure: PeerFailure | None = None
+    failure: BaseException | None = None
+    # First agree that every rank reaches every reducer: a rank that went ahead alone would
+    # wait at a reducer for contributions that never come.
     try:
-        _through_servers(ctx, group, x, op)
-    except PeerFailure as e:
-        if "[failed ranks:" in str(e):
-            raise  # a worker failed, not a reducer: ring cannot help
+        for i in range(min(len(group.addresses), -(-x.size // max(1, group.config.piece_bytes // x.itemsize)))):
+            group.conn(i)
+    except TransportError as e:
+        group.close()
         failure = e
-    ok = np.array([0 if failure else 1], np.uint8)
+    reachable = np.array([0 if failure else 1], np.uint8)
+    small.all_reduce(ctx, reachable, ops.ReduceOp.MIN)
+    if reachable[0]:
+        try:
+            _through_servers(ctx, group, x, op)
+        except PeerFailure as e:
+            if "[failed ranks:" in str(e):
+                raise  # a worker failed, not a reducer: ring cannot help
+            failure = e
+    ok = np.array([0 if failure or not reachable[0] else 1], np.uint8)
     small.all_reduce(ctx, ok, ops.ReduceOp.MIN)
     if ok[0]:
         return

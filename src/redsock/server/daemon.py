@@ -78,10 +78,13 @@ class ReductionServer:
             t.join(timeout=5)
         self._janitor.join(timeout=5)
 
-    def serve_forever(self) -> None:
-        """Block until SIGTERM/SIGINT (or :meth:`close`)."""
+    def stop_on_signals(self) -> None:
+        """Make SIGTERM/SIGINT stop :meth:`serve_forever` cleanly (call before announcing readiness)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._closed.set())
+
+    def serve_forever(self) -> None:
+        """Block until SIGTERM/SIGINT (see :meth:`stop_on_signals`) or :meth:`close`."""
         log.info("reduction server listening on %s:%d", *self.address)
         while not self._closed.wait(0.5):
             pass

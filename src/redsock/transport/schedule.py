@@ -15,7 +15,7 @@ dynamic balancing of Fast Socket, where a socket with a full queue is skipped.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 STATIC_MIN_PIECE = 64 * 1024

@@ -101,6 +101,7 @@ class PeerTable:
         self._ident = f"{zlib.crc32(self.prefix.encode()):08x}:r"
         self.store = store
         self._conns: dict[int, Connection] = {}
+        self._failed_reason: str | None = None
         self._cv = threading.Condition()
         self._closed = False
         host = local_address(config, advertise_toward)
@@ -128,6 +129,9 @@ class PeerTable:
                 return
             self._conns[peer] = conn
             self._cv.notify_all()
+            failed = self._failed_reason
+        if failed is not None:  # arrived after this rank gave up: the peer must hear why
+            conn.abort(failed)
 
     def get(self, peer: int) -> Connection:
         """The connection to ``peer``, opening (or waiting for) it on first use."""
@@ -143,6 +147,9 @@ class PeerTable:
                            peer_name=f"rank {peer} ({addr})", retry_s=self.config.timeout_s)
             with self._cv:
                 self._conns[peer] = conn
+                failed = self._failed_reason
+            if failed is not None:
+                conn.abort(failed)
             return conn
         deadline = time.monotonic() + self.config.timeout_s
         with self._cv:
@@ -156,6 +163,17 @@ class PeerTable:
                 if failure is not None:  # it may never connect: it already gave up
                     raise TransportError(failure, peer=f"rank {peer}", op="connect")
             return self._conns[peer]
+
+    def fail(self, reason: str) -> None:
+        """This rank gives up: abort every connection with ``reason`` — also ones that finish
+        connecting later (a peer waiting on them would otherwise wait for its timeout) —
+        and tell ranks not connected yet through the store."""
+        with self._cv:
+            self._failed_reason = reason
+            conns = list(self._conns.values())
+        for conn in conns:
+            conn.abort(reason)
+        self.announce_failure(reason)
 
     def announce_failure(self, reason: str) -> None:
         """Tell every rank, connected or not yet, that this communicator failed."""

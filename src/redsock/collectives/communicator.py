@@ -241,9 +241,9 @@ class Communicator:
         if self._failure is None:
             self._failure = failure
             reason = f"[failed ranks: {', '.join(map(str, ranks))}] rank {self.rank} gives up: {err}"
-            for conn in self.peers.connections().values():
-                conn.abort(reason)
-            self.peers.announce_failure(reason)
+            self.peers.fail(reason)
+            if self.servers is not None:  # nothing more will be asked of the reducers
+                self.servers.close()
         return failure
 
     def _check_usable(self) -> None:

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from redsock.bench.procs import stop_processes
 from redsock.config import Config
 from redsock.server import ReductionServer
 from test_collectives import digests, run_world
@@ -41,14 +42,7 @@ def reducers():
         return [p for p, _ in started], ",".join(a for _, a in started)
 
     yield start
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    stop_processes(procs)
 
 
 def ok(outs):

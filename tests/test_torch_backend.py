@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from redsock.bench.procs import stop_processes
 from test_server import start_reducer
 
 torch = pytest.importorskip("torch")
@@ -211,13 +211,7 @@ def reducers():
             addrs.append(addr)
         yield ",".join(addrs)
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
 
 
 def test_ddp_on_redsock_ring_matches_gloo(tmp_path, gloo_params):

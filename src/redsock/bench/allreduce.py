@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import numpy as np
 from .. import ops
 from ..config import parse_size
 from ..errors import ConfigError, RedsockError
+from .procs import stop_processes
 
 REDSOCK_ALGOS = ("auto", "ring", "small", "server")
 
@@ -253,15 +253,7 @@ def launch_local(nprocs: int, argv: list[str], timeout_s: float) -> int:
                 break
             time.sleep(0.05)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs)
     bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
     return bad[0][1] if bad else 0
 

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -190,20 +191,24 @@ def _cases(sizes: list[int], iters: int, reps: int, pingpong_max: int, pp_iters:
     return cases
 
 
+def open_session(addr: tuple[str, int], impl: str, config: Config, name: str) -> tuple[Any, list[int]]:
+    """A benchmark connection of either kind, and the source ports of its data streams."""
+    if impl == "redsock":
+        conn = connect(addr, config=config, name=name, retry_s=10)
+        return conn, [s.getsockname()[1] for s in conn._data]
+    if impl == "plain":
+        s = socket.create_connection((addr[0], addr[1] + 1), timeout=config.timeout_s)
+        s.settimeout(None)
+        return _PlainConn(s), [s.getsockname()[1]]
+    raise ConfigError(f"unknown impl {impl!r} (redsock, plain)")
+
+
 def run_driver(addr: tuple[str, int], impls: list[str], config: Config, sizes: list[int], iters: int,
                reps: int, pingpong_max: int, pp_iters: int, warmup: bool = True) -> list[TransportRow]:
     rows: list[TransportRow] = []
     cases = _cases(sizes, iters, reps, pingpong_max, pp_iters)
     for impl in impls:
-        if impl == "redsock":
-            conn = connect(addr, config=config, name="bench", retry_s=10)
-            ports = [s.getsockname()[1] for s in conn._data]
-        elif impl == "plain":
-            s = socket.create_connection((addr[0], addr[1] + 1), timeout=config.timeout_s)
-            s.settimeout(None)
-            conn, ports = _PlainConn(s), [s.getsockname()[1]]
-        else:
-            raise ConfigError(f"unknown impl {impl!r} (redsock, plain)")
+        conn, ports = open_session(addr, impl, config, "bench")
         try:
             results = drive(conn, ([{"mode": "throughput", "bytes": 1 << 20, "iters": 32, "reps": 1}]
                                    if warmup else []) + cases)

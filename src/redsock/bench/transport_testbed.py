@@ -65,7 +65,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -83,9 +82,8 @@ from ..errors import ConfigError, RedsockError
 from ..testbed import netns as nx
 from ..testbed.cluster import PairTestbed
 from ..testbed.netns import parse_rate, path_class
-from ..transport import connect
 from .transport import (
-    ACK_TAG, DATA_TAG, PLAN_BYTES, PLAN_TAG, TransportRow, _cases, _human, _many, _PlainConn,
+    ACK_TAG, DATA_TAG, PLAN_BYTES, PLAN_TAG, TransportRow, _cases, _human, _many, _PlainConn, open_session,
 )
 
 PROFILES = ("perflow",)
@@ -148,15 +146,7 @@ def connect_landed(addr: tuple[str, int], impl: str, config: Config, want: list[
     connection.  Raises :class:`ConfigError` after ``max_attempts`` misses.
     """
     for attempt in range(1, max_attempts + 1):
-        if impl == "redsock":
-            conn: Any = connect(addr, config=config, name="bench-testbed", retry_s=10)
-            ports = [s.getsockname()[1] for s in conn._data]
-        elif impl == "plain":
-            s = socket.create_connection((addr[0], addr[1] + 1), timeout=config.timeout_s)
-            s.settimeout(None)
-            conn, ports = _PlainConn(s), [s.getsockname()[1]]
-        else:
-            raise ConfigError(f"unknown impl {impl!r} (redsock, plain)")
+        conn, ports = open_session(addr, impl, config, "bench-testbed")
         got = sorted(path_class(p, nclasses, shift) for p in ports)
         if want is None or got == sorted(want):
             return conn, ports, attempt

@@ -66,6 +66,23 @@ def test_unexpected_messages_are_delivered_in_order(make_pair):
         assert np.array_equal(out, m)
 
 
+def test_receive_posted_mid_message_shows_progress(make_pair):
+    """A receive posted while its message is landing unexpected reports the bytes so far
+    (its no-progress deadline watches them: a long message must not look stalled)."""
+    client, server = make_pair()
+    data = pattern(512 << 20, 3)
+    client.isend(data, tag=4)
+    deadline = time.monotonic() + 10
+    while not any(u.got for u in list(server._unexpected.values())):
+        assert time.monotonic() < deadline, "nothing arrived"
+        time.sleep(0.0005)
+    out = np.empty_like(data)
+    h = server.irecv(out, tag=4)
+    assert h.got > 0
+    h.wait(10)
+    assert h.got == data.nbytes and np.array_equal(out, data)
+
+
 def test_many_concurrent_tagged_messages_both_ways(make_pair):
     client, server = make_pair(chunk_bytes=64 * 1024)
     rng = random.Random(1)

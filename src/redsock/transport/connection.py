@@ -238,6 +238,7 @@ class Connection:
                 err = None
             else:
                 u.waiter = h
+                h.got = u.got
                 return h
         if err is not None:
             self._abort(err)
@@ -605,6 +606,8 @@ class Connection:
                     owner._complete()
                 return
             if owner.got < len(owner.buf):
+                if owner.waiter is not None:  # show progress, or a long message looks stalled
+                    owner.waiter.got = owner.got
                 return
             owner.complete = True
             if owner.waiter is not None:

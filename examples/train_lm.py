@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         elapsed = time.perf_counter() - t_start
         if rank == 0:
             print(f"RESULT backend={args.backend} hook={args.hook} world={world} steps={measured} "
-                  f"time_s={elapsed:.3f} steps_per_s={measured / elapsed:.3f} final_loss={loss_value:.4f}",
+                  f"time_s={elapsed:.3f} steps_per_s={measured / elapsed:.3f} final_loss={loss_value:.4f} "
+                  f"grad_bytes={n_params * 4}",
                   flush=True)
 
     if args.save_params and ("{rank}" in args.save_params or rank == 0):

@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_soak.add_arguments(bs)
     bs.set_defaults(func=bench_soak.run)
 
+    from .bench import ddp_testbed as bench_ddp
+
+    bd = bsub.add_parser("ddp", help="DDP training steps/s on the emulated cluster: gloo, redsock ring, reducers")
+    bench_ddp.add_arguments(bd)
+    bd.set_defaults(func=bench_ddp.run)
+
     srv = sub.add_parser("serve", help="run a reduction server (stops on SIGTERM/SIGINT)")
     srv.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
     srv.add_argument("--port", type=int, default=7700, help="port (default 7700)")

@@ -296,20 +296,25 @@ def _relay(stream: IO[str], sink: IO[str], copy: IO[str]) -> None:
     copy.flush()
 
 
-def _start_ranks(tb: Testbed, argv: list[str], logdir: Path) -> tuple[list[_Proc], list[threading.Thread]]:
+def _start_ranks(tb: Testbed, cmd: list[str], logdir: Path, extra_env: dict[str, str] | None = None,
+                 master_port: int = MASTER_PORT, tag: str = "") -> tuple[list[_Proc], list[threading.Thread]]:
+    """Run ``cmd`` once per worker host as a torchrun-style rank (rank r on host w<r>).
+
+    Rank 0's stdout is relayed live to ours and copied to its log; every other
+    output goes to ``logdir/<host><tag>.log``."""
     servers = ",".join(f"{tb.host_addr(s)}:{SERVER_PORT}" for s in tb.server_names)
     ranks, relays = [], []
     world = tb.workers
     for r, name in enumerate(tb.worker_names):
         env = {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-               "MASTER_ADDR": tb.host_addr("w0"), "MASTER_PORT": str(MASTER_PORT),
+               "MASTER_ADDR": tb.host_addr("w0"), "MASTER_PORT": str(master_port),
                "GLOO_SOCKET_IFNAME": tb.host(name).dev}
         if servers:
             env["REDSOCK_SERVERS"] = servers
-        log = logdir / f"{name}.log"
-        cmd = [sys.executable, "-m", "redsock", *argv]
+        env.update(extra_env or {})
+        log = logdir / f"{name}{tag}.log"
         if r == 0:  # stdout live to ours (the tables); stderr into its log
-            err = (logdir / f"{name}.err").open("w")
+            err = (logdir / f"{name}{tag}.err").open("w")
             proc = tb.popen(name, cmd, env=_child_env(env), stdout=subprocess.PIPE, stderr=err, text=True,
                             start_new_session=True)
             err.close()
@@ -317,7 +322,7 @@ def _start_ranks(tb: Testbed, argv: list[str], logdir: Path) -> tuple[list[_Proc
             t = threading.Thread(target=_relay, args=(proc.stdout, sys.stdout, copy), daemon=True)
             t.start()
             relays.append(t)
-            ranks.append(_Proc(name, proc, logdir / f"{name}.err"))
+            ranks.append(_Proc(name, proc, logdir / f"{name}{tag}.err"))
         else:
             with log.open("w") as f:
                 proc = tb.popen(name, cmd, env=_child_env(env), stdout=f, stderr=subprocess.STDOUT,
@@ -398,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
             links0, tcp0 = link_counters(tb), tcp_counters(tb)
             cpu0 = {s.name: _proc_status(s.proc.pid).get("cpu_s", 0.0) for s in server_procs}
             box0, t0 = _box_cpu(), time.monotonic()
-            ranks, relays = _start_ranks(tb, argv, logdir)
+            ranks, relays = _start_ranks(tb, [sys.executable, "-m", "redsock", *argv], logdir)
             why = _wait_ranks(ranks, server_procs, deadline, args.timeout)
             wall = time.monotonic() - t0
             box1 = _box_cpu()

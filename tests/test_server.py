@@ -12,6 +12,7 @@ import time
 import pytest
 
 from redsock.bench.procs import stop_processes
+from redsock.collectives.server_client import piece_elements
 from redsock.config import Config
 from redsock.server import ReductionServer
 from test_collectives import digests, run_world
@@ -48,6 +49,22 @@ def reducers():
 def ok(outs):
     for r, (code, out, err) in enumerate(outs):
         assert code == 0 and out.rstrip().endswith("ok"), f"rank {r}:\n{err[-3000:]}"
+
+
+@pytest.mark.parametrize("nbytes, itemsize, nservers, piece_bytes, want_bytes", [
+    (64 << 20, 4, 4, 256 << 10, 256 << 10),  # large: capped by REDSOCK_PIECE_BYTES
+    (1 << 20, 4, 4, 256 << 10, 64 << 10),    # 1 MiB over 4 reducers: 4 pieces each
+    (2 << 20, 2, 2, 256 << 10, 256 << 10),   # exactly 4 pieces of the cap each
+    (64 << 10, 4, 4, 256 << 10, 16 << 10),   # small: never below 16 KiB
+    (64 << 10, 8, 4, 4 << 10, 4 << 10),      # a cap below 16 KiB is still obeyed
+    (24, 8, 3, 256 << 10, 16 << 10),         # fewer elements than one piece: one piece
+])
+def test_piece_size_pipelines_every_reducer(nbytes, itemsize, nservers, piece_bytes, want_bytes):
+    elems = piece_elements(nbytes // itemsize, itemsize, nservers, piece_bytes)
+    assert elems == want_bytes // itemsize
+    pieces = -(-(nbytes // itemsize) // elems)
+    if want_bytes < piece_bytes and want_bytes > 16 << 10:
+        assert pieces == 4 * nservers
 
 
 def test_every_op_and_dtype_through_two_reducers(reducers):

@@ -99,10 +99,25 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
     ring.all_reduce(ctx, x, op)
 
 
+#: A message is cut into at least this many pieces per server (when pieces stay above
+#: MIN_PIECE_BYTES): a reducer forwards a piece only once it has all of it, so one piece
+#: per server would cost the whole message twice over the link instead of once plus a piece.
+PIECES_PER_SERVER = 4
+MIN_PIECE_BYTES = 16 * 1024
+
+
+def piece_elements(count: int, itemsize: int, nservers: int, piece_bytes: int) -> int:
+    """Elements per piece for a ``count``-element message: ``piece_bytes`` at most, and small
+    enough that each server gets ``PIECES_PER_SERVER`` pieces to pipeline (the same on every rank)."""
+    want = -(-count * itemsize // (nservers * PIECES_PER_SERVER))
+    nbytes = min(piece_bytes, max(MIN_PIECE_BYTES, want))
+    return max(1, nbytes // itemsize)
+
+
 def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: ops.ReduceOp) -> None:
     xf = flat(x)
     nserv = len(group.addresses)
-    piece = max(1, group.config.piece_bytes // xf.itemsize)
+    piece = piece_elements(xf.size, xf.itemsize, nserv, group.config.piece_bytes)
     npieces = -(-xf.size // piece)
     flags = wire.FLAG_DETERMINISTIC if group.config.deterministic else 0
     current = 0

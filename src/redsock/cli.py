@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_ddp.add_arguments(bd)
     bd.set_defaults(func=bench_ddp.run)
 
+    from .bench import reproduce as bench_reproduce
+
+    rp = sub.add_parser("reproduce", help="measure the seed's claims on the emulated testbed (root): docs/results.md")
+    bench_reproduce.add_arguments(rp)
+    rp.set_defaults(func=bench_reproduce.run)
+
     srv = sub.add_parser("serve", help="run a reduction server (stops on SIGTERM/SIGINT)")
     srv.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
     srv.add_argument("--port", type=int, default=7700, help="port (default 7700)")

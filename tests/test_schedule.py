@@ -68,3 +68,15 @@ def test_drain_returns_pending_jobs():
         sched.add(j)
         assert sched.drain() == [j]
         assert sched.next_slice(0) is None
+
+
+def test_dynamic_cuts_a_message_into_several_slices_per_stream():
+    """A 1 MiB message over 4 streams in 512 KiB chunks would be 2 slices: 2 streams idle and
+    no room to balance.  It becomes 16 slices of 64 KiB; large messages keep the chunk size."""
+    sched = DynamicSchedule(4, chunk=512 << 10)
+    for total, size in ((1 << 20, 64 << 10), (64 << 20, 512 << 10), (4 << 20, 256 << 10), (10_000, 10_000)):
+        sched.add(job(total))
+        got = drain(sched, [0, 1, 2, 3])
+        pieces = sorted(p for v in got.values() for p in v)
+        assert pieces == [(off, min(size, total - off)) for off in range(0, total, size)]
+        assert len(got[0]) == (len(pieces) + 3) // 4  # streams asking equally share equally

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 STATIC_MIN_PIECE = 64 * 1024
+MIN_SLICE = 64 * 1024
+SLICES_PER_STREAM = 4
 
 
 @dataclass(eq=False)
@@ -58,11 +60,17 @@ class DynamicSchedule:
             return None
         job = self._jobs[0]
         off = job.next_offset
-        n = min(self.chunk, job.total - off)
+        n = min(self.slice_bytes(job.total), job.total - off)
         job.next_offset = off + n
         if job.next_offset >= job.total:
             self._jobs.popleft()
         return Slice(job, off, n)
+
+    def slice_bytes(self, total: int) -> int:
+        """``chunk``, or smaller so that every stream gets SLICES_PER_STREAM slices of the
+        message (>= MIN_SLICE): a stream that falls behind then only delays a small slice
+        while the others take the rest, instead of holding up a large share of the message."""
+        return min(self.chunk, max(MIN_SLICE, -(-total // (self.nstreams * SLICES_PER_STREAM))))
 
     def drain(self) -> list[SendJob]:
         jobs = list(self._jobs)

@@ -1,5 +1,5 @@
 """``redsock reproduce``: bounds and ratios (closed form), the report's tables and failure
-sections (synthetic results), the step runner (failing, missing, overdue benchmarks), and
+sections (synthetic results), the step runner (failing and overdue benchmarks), and
 one small end-to-end run through real namespaces (root, ~30 s)."""
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def run_info(settings: R.Settings) -> R.RunInfo:
                      61.0, "/usr/bin/python3", "rsrptest")
 
 
-def test_report_has_every_section_failures_and_missing_benchmarks() -> None:
+def test_report_has_every_section_and_says_what_failed() -> None:
     s = R.PLANS["quick"]
     rows = allreduce_rows()
     main = step("allreduce-n4", "allreduce")
@@ -209,8 +209,7 @@ def test_report_has_every_section_failures_and_missing_benchmarks() -> None:
         R.StepResult(step("ring1-n4", "allreduce"), "ok", 0, 10.0,
                      data=[r for r in rows if r.extra["step"] == "ring1-n4"]),
         R.StepResult(step("latency-n4", "latency"), "timeout", -15, 120.0, error="still running after 120 s"),
-        R.StepResult(step("ddp-n4", "ddp", probe=("bench", "ddp", "--help")), "missing", 2,
-                     error="invalid choice: 'ddp'"),
+        R.StepResult(step("ddp-n4", "ddp"), "failed", 1, 20.0, error="RedsockError: gloo run 1 failed"),
     ]
     md = R.render_markdown(run_info(s), results)
     for head in ("## Machine", "## Settings", "## Summary", "## 1. Fast Socket", "## 2. All-reduce",
@@ -221,8 +220,8 @@ def test_report_has_every_section_failures_and_missing_benchmarks() -> None:
     # Failures say what failed, with the stderr tail, in their own section and in the summary.
     assert "**FAILED:** `transport`" in md and "RedsockError: listener died" in md
     assert "**TIMEOUT:** `latency-n4`" in md and "still running after 120 s" in md
-    assert "**Not available:** `ddp-n4`" in md and "invalid choice: 'ddp'" in md
-    assert "| ddp-n4 | **missing** (see its section) | - |" in md
+    assert "**FAILED:** `ddp-n4`" in md and "gloo run 1 failed" in md
+    assert "| ddp-n4 | **failed** (see its section) | - |" in md
     assert "Not run (opt-in). Caveat" in md  # the per-flow all-reduce
     # The measured numbers are the rows' numbers.
     server = next(r for r in rows if r.algo == "server")
@@ -230,7 +229,7 @@ def test_report_has_every_section_failures_and_missing_benchmarks() -> None:
     assert "| Reducers vs gloo algbw (N=4, 64 MiB) | 1.69x; reducers at 90% of link goodput | ideal 1.50x" in md
     assert "| Fast Socket ring vs 1 socket (N=4, 64 MiB) | 1.50x" in md
     # Every command is listed as run.
-    assert "| transport | failed | 1 | 12 |" in md and "| ddp-n4 | missing | 2 | 0 |" in md
+    assert "| transport | failed | 1 | 12 |" in md and "| ddp-n4 | failed | 1 | 20 |" in md
 
 
 def test_report_with_ddp_results() -> None:
@@ -281,7 +280,7 @@ def test_quick_plan_measures_every_claim(tmp_path: Path) -> None:
     lat = list(steps["latency-n4"].argv)
     assert lat[lat.index("--algo") + 1] == "ring,auto,server,gloo"
     ddp = list(steps["ddp-n4"].argv)
-    assert ddp[:3] == ["bench", "ddp", "--testbed"] and steps["ddp-n4"].probe == ("bench", "ddp", "--help")
+    assert ddp[:3] == ["bench", "ddp", "--testbed"] and ddp[ddp.index("--prefix") + 1] == "rsrpx"
     assert ddp[ddp.index("--workers") + 1] == "4" and ddp[ddp.index("--servers") + 1] == "4"
     assert ddp[ddp.index("--algos") + 1] == "gloo,ring,server"
     assert sum(st.timeout_s for st in steps.values()) < 3600
@@ -299,29 +298,14 @@ def test_full_plan_has_n8_and_per_flow_all_reduce_is_opt_in(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("plan", sorted(R.PLANS))
 def test_every_step_is_a_valid_command(plan: str, tmp_path: Path) -> None:
-    """Each step's argv parses with the real ``redsock`` parser (DDP where it exists), so a
-    typo shows here rather than 20 minutes into a full run."""
+    """Each step's argv parses with the real ``redsock`` parser, so a typo shows here
+    rather than 20 minutes into a full run."""
     from redsock.cli import build_parser
 
     parser = build_parser()
-    has_ddp = _has_ddp()
     for st in R.make_plan(R.PLANS[plan], tmp_path, "rsrpx"):
-        if st.section == "ddp" and not has_ddp:
-            continue
-        argv = list(st.argv) + [x for pair in st.optional for x in pair]
-        args = parser.parse_args(argv)
+        args = parser.parse_args(list(st.argv))
         assert args.json == str(tmp_path / st.json_name)
-
-
-def _has_ddp() -> bool:
-    """Whether this build has ``redsock bench ddp`` (the step is reported missing otherwise)."""
-    from redsock.cli import build_parser
-
-    try:
-        build_parser().parse_args(["bench", "ddp", "--testbed"])
-    except SystemExit:
-        return False
-    return True
 
 
 def test_invocation_names_the_overrides() -> None:
@@ -360,13 +344,6 @@ def test_failing_step_is_reported_with_its_stderr(tmp_path: Path) -> None:
     r = R.run_step(st, tmp_path)
     assert r.status == "failed" and r.rc == 2 and "--no-such-option" in r.error
     assert r.data == []
-
-
-def test_missing_benchmark_is_reported_as_missing(tmp_path: Path) -> None:
-    st = R.Step("ddp-n4", "ddp", "ddp", ("bench", "no-such-bench"), 60.0, probe=("bench", "no-such-bench", "--help"))
-    r = R.run_step(st, tmp_path)
-    assert r.status == "missing" and "no-such-bench" in r.error
-    assert not (tmp_path / "ddp-n4.log").exists()  # never started
 
 
 def test_overdue_step_is_stopped(tmp_path: Path) -> None:

@@ -165,10 +165,6 @@ class Step:
     profile: str = "uniform"
     #: algo in the rows -> series key (SERIES_LABELS); the same algo means different things per run
     series: dict[str, str] = field(default_factory=dict, hash=False)
-    #: argv (after ``python -m redsock``) whose failure means the benchmark does not exist
-    probe: tuple[str, ...] = ()
-    #: option/value pairs passed only where the probe's output (its --help) names the option
-    optional: tuple[tuple[str, str], ...] = ()
 
     @property
     def json_name(self) -> str:
@@ -243,13 +239,10 @@ def make_plan(s: Settings, results_dir: Path, prefix: str) -> list[Step]:
             timeout = 120 + 4 * n * steps_ * s.ddp_repeats
             argv = ("bench", "ddp", "--testbed", "--workers", str(n), "--servers", str(n), "--rate", s.rate,
                     "--algos", "gloo,ring,server", "--steps", str(steps_), "--warmup", str(warm),
-                    "--json", js(f"ddp-n{n}"))
+                    "--repeats", str(s.ddp_repeats), "--tcp-cc", s.tcp_cc, "--prefix", prefix,
+                    "--timeout", f"{max(30.0, timeout * scale - 30):.0f}", "--json", js(f"ddp-n{n}"))
             steps.append(Step(f"ddp-n{n}", "ddp", f"DDP training, {n} workers + {n} reducers", argv,
-                              timeout * scale, {"REDSOCK_NSOCKS": str(s.nsocks)}, n,
-                              probe=("bench", "ddp", "--help"),
-                              optional=(("--tcp-cc", s.tcp_cc), ("--prefix", prefix),
-                                        ("--timeout", f"{max(30.0, timeout * scale - 30):.0f}"),
-                                        *((("--repeats", str(s.ddp_repeats)),) if s.ddp_repeats > 1 else ()))))
+                              timeout * scale, {"REDSOCK_NSOCKS": str(s.nsocks)}, n))
     return steps
 
 
@@ -526,7 +519,7 @@ def ddp_table(points: Sequence[dict[str, Any]]) -> str:
 
 @dataclass
 class StepResult:
-    """What became of one step. ``status``: ok, failed, timeout, missing, interrupted, not run."""
+    """What became of one step. ``status``: ok, failed, timeout, interrupted, not run."""
 
     step: Step
     status: str
@@ -562,13 +555,7 @@ def _fence(text: str) -> str:
 def _failures(results: Sequence[StepResult]) -> list[str]:
     out = []
     for r in results:
-        if r.status == "missing":
-            out.append(f"**Not available:** `{r.step.key}` ({r.step.title}) — the benchmark this step needs is "
-                       f"not in this build (`python -m {' '.join(['redsock', *r.step.probe])}` failed); "
-                       "nothing was measured for it.")
-            if r.error:
-                out.append(_fence(r.error))
-        elif r.status == "not run":
+        if r.status == "not run":
             out.append(f"**Not run:** `{r.step.key}` ({r.step.title}): the run stopped before it.")
         elif not r.ok:
             out.append(f"**{r.status.upper()}:** `{r.step.key}` ({r.step.title})"
@@ -747,7 +734,7 @@ def render_markdown(info: RunInfo, results: Sequence[StepResult]) -> str:
     for r in results:
         lines.append(f"| {r.step.key} | {r.status} | {'-' if r.rc is None else r.rc} | {r.wall_s:.0f} "
                      f"| {'-' if r.cpu_pct is None else f'{r.cpu_pct}%'} |")
-    lines += ["", "```bash"] + [r.step.command() for r in results if r.status not in ("not run", "missing")]
+    lines += ["", "```bash"] + [r.step.command() for r in results if r.status != "not run"]
     lines += ["```"]
     if info.leftovers:
         lines += ["", f"Namespaces left behind by a step and removed afterwards: {', '.join(info.leftovers)}."]
@@ -1096,18 +1083,6 @@ def run_step(step: Step, results_dir: Path, python: str = sys.executable) -> Ste
     json_path = results_dir / step.json_name
     json_path.unlink(missing_ok=True)
     env = _child_env(step.env)
-    if step.probe:
-        try:
-            probe = subprocess.run([python, "-m", "redsock", *step.probe], capture_output=True, text=True,
-                                   env=env, timeout=120, check=False)
-        except subprocess.TimeoutExpired:
-            return StepResult(step, "failed", error=f"`{' '.join(step.probe)}` took over 120 s")
-        if probe.returncode != 0:
-            return StepResult(step, "missing", probe.returncode,
-                              error=(probe.stderr or probe.stdout).strip()[-1500:])
-        known = [x for opt, val in step.optional if re.search(rf"(^|\s){re.escape(opt)}\b", probe.stdout)
-                 for x in (opt, val)]
-        step = replace(step, argv=(*step.argv, *known))
     t0 = time.monotonic()
     status, why = "ok", ""
     with log.open("w") as out, err.open("w") as errf:

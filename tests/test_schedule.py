@@ -80,3 +80,10 @@ def test_dynamic_cuts_a_message_into_several_slices_per_stream():
         pieces = sorted(p for v in got.values() for p in v)
         assert pieces == [(off, min(size, total - off)) for off in range(0, total, size)]
         assert len(got[0]) == (len(pieces) + 3) // 4  # streams asking equally share equally
+
+
+def test_one_stream_keeps_whole_chunks():
+    """With a single stream there is nothing to balance: chunk-sized slices (fewer system calls)."""
+    sched = DynamicSchedule(1, chunk=512 << 10)
+    sched.add(job(1 << 20))
+    assert drain(sched, [0]) == {0: [(0, 512 << 10), (512 << 10, 512 << 10)]}

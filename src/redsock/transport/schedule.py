@@ -70,6 +70,8 @@ class DynamicSchedule:
         """``chunk``, or smaller so that every stream gets SLICES_PER_STREAM slices of the
         message (>= MIN_SLICE): a stream that falls behind then only delays a small slice
         while the others take the rest, instead of holding up a large share of the message."""
+        if self.nstreams == 1:  # nothing to balance: fewer, larger slices cost fewer system calls
+            return self.chunk
         return min(self.chunk, max(MIN_SLICE, -(-total // (self.nstreams * SLICES_PER_STREAM))))
 
     def drain(self) -> list[SendJob]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -26,14 +27,16 @@ from ..errors import ConfigError, RedsockError
 from .procs import stop_processes
 
 REDSOCK_ALGOS = ("auto", "ring", "small", "server")
+CHECK_BLOCK = 1 << 22  # elements checked at a time
 
 
 # -- inputs and references --------------------------------------------------------
 
-def make_input(count: int, dtype: np.dtype, op: ops.ReduceOp, rank: int, seed: int) -> np.ndarray:
-    """Inputs whose exact reduction is representable in every dtype (small integers;
-    for prod, ones and twos), so a float64 reference is exact too."""
-    i = np.arange(count, dtype=np.int64)
+def make_input(count: int, dtype: np.dtype, op: ops.ReduceOp, rank: int, seed: int, start: int = 0) -> np.ndarray:
+    """Elements ``start .. start+count`` of a rank's input: values whose exact reduction is
+    representable in every dtype (small integers; for prod, ones and twos), so a float64
+    reference is exact too."""
+    i = np.arange(start, start + count, dtype=np.int64)
     if op is ops.ReduceOp.PROD:
         vals = 1 + ((i + rank + seed) % 2)
     else:
@@ -43,8 +46,9 @@ def make_input(count: int, dtype: np.dtype, op: ops.ReduceOp, rank: int, seed: i
     return vals.astype(dtype)
 
 
-def reference(count: int, dtype: np.dtype, op: ops.ReduceOp, world: int, seed: int) -> np.ndarray:
-    xs = [make_input(count, dtype, op, r, seed).astype(np.float64) for r in range(world)]
+def reference(count: int, dtype: np.dtype, op: ops.ReduceOp, world: int, seed: int, start: int = 0) -> np.ndarray:
+    """The float64 result for elements ``start .. start+count``."""
+    xs = [make_input(count, dtype, op, r, seed, start).astype(np.float64) for r in range(world)]
     if op in (ops.ReduceOp.SUM, ops.ReduceOp.AVG):
         ref = np.sum(xs, axis=0)
         if op is ops.ReduceOp.AVG:
@@ -179,7 +183,9 @@ def _check(fn, count: int, dtype: np.dtype, op: ops.ReduceOp, rank: int, world: 
     seed = 1
     x = make_input(count, dtype, op, rank, seed)
     fn(x)
-    wrong = count_wrong(x, reference(count, dtype, op, world, seed))
+    # In blocks: float64 references of a whole 256 MiB buffer take several GB per rank.
+    wrong = sum(count_wrong(x[lo:lo + CHECK_BLOCK], reference(min(CHECK_BLOCK, count - lo), dtype, op, world, seed, lo))
+                for lo in range(0, count, CHECK_BLOCK))
     digest = zlib.crc32(x.tobytes())
     stats = np.array([wrong, digest, -digest], dtype=np.int64)
     comm.all_reduce(stats[:1], "sum")
@@ -254,8 +260,19 @@ def launch_local(nprocs: int, argv: list[str], timeout_s: float) -> int:
             time.sleep(0.05)
     finally:
         stop_processes(procs)
-    bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
-    return bad[0][1] if bad else 0
+    failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]  # before we stopped anyone
+    for i, code in failed:
+        print(f"redsock: rank {i} {_exit_reason(code)}", file=sys.stderr)
+    bad = failed or [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
+    return 0 if not bad else bad[0][1] if bad[0][1] > 0 else 128 - bad[0][1]
+
+
+def _exit_reason(code: int) -> str:
+    if code >= 0:
+        return f"exited with status {code}"
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+    hint = " (out of memory? see dmesg)" if code == -signal.SIGKILL else ""
+    return f"was killed by {name}{hint}"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

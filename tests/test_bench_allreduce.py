@@ -1,0 +1,49 @@
+"""``redsock bench allreduce`` on this machine: the check's references and the local launcher."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from redsock import ops
+from redsock.bench import allreduce
+
+
+@pytest.mark.parametrize("dtype, op", [(np.float32, "sum"), (ops.bfloat16, "avg"), (np.int8, "prod"),
+                                       (np.uint8, "max"), (np.int64, "min")])
+def test_references_in_blocks_equal_the_whole(dtype, op):
+    """The check builds float64 references a block at a time (a whole 256 MiB one is GBs)."""
+    dtype, op = np.dtype(dtype), ops.ReduceOp.parse(op)
+    whole_in = allreduce.make_input(1000, dtype, op, 2, 1)
+    whole_ref = allreduce.reference(1000, dtype, op, 3, 1)
+    for lo in range(0, 1000, 333):
+        n = min(333, 1000 - lo)
+        assert np.array_equal(allreduce.make_input(n, dtype, op, 2, 1, lo), whole_in[lo:lo + n])
+        assert np.array_equal(allreduce.reference(n, dtype, op, 3, 1, lo), whole_ref[lo:lo + n])
+
+
+def test_exit_reasons_name_the_signal():
+    assert allreduce._exit_reason(3) == "exited with status 3"
+    assert "SIGKILL" in allreduce._exit_reason(-signal.SIGKILL) and "out of memory" in allreduce._exit_reason(-9)
+    assert allreduce._exit_reason(-signal.SIGTERM) == "was killed by SIGTERM"
+
+
+def test_launcher_says_which_rank_failed():
+    r = subprocess.run([sys.executable, "-m", "redsock", "bench", "allreduce", "--nprocs", "2", "-d", "complex64",
+                        "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "redsock: rank 0 exited with status" in r.stderr or "redsock: rank 1 exited with status" in r.stderr
+
+
+def test_checked_sweep_over_blocks_reports_zero_wrong(monkeypatch):
+    """A sweep whose sizes span several check blocks, end to end on 3 local ranks."""
+    monkeypatch.setenv("REDSOCK_TIMEOUT_S", "60")
+    r = subprocess.run([sys.executable, "-m", "redsock", "bench", "allreduce", "--nprocs", "3", "-b", "4M", "-e", "32M",
+                        "-f", "8", "-d", "float16", "-o", "sum", "--algo", "auto", "--check", "-n", "1", "-w", "0",
+                        "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "# check: 0 wrong elements over 2 rows" in r.stdout

@@ -361,7 +361,7 @@ def test_overdue_step_is_stopped(tmp_path: Path) -> None:
 def test_smoke_run_writes_report_plots_and_raw_json(tmp_path: Path) -> None:
     prefix = f"rsrq{os.getpid() % 100000}"
     out = tmp_path / "docs"
-    argv = [sys.executable, "-m", "redsock.bench.reproduce", "--plan", "smoke", "--out", str(out),
+    argv = [sys.executable, "-m", "redsock", "reproduce", "--plan", "smoke", "--out", str(out),
             "--prefix", prefix, "--no-progress"]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=140, check=False)

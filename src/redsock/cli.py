@@ -14,37 +14,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = p.add_subparsers(dest="command", required=True)
 
+    from .bench import allreduce, ddp_testbed, reproduce, soak, transport
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    from .bench import transport as bench_transport
-
-    bt = bsub.add_parser("transport", help="throughput and latency between two processes")
-    bench_transport.add_arguments(bt)
-    bt.set_defaults(func=bench_transport.run)
-
-    from .bench import allreduce as bench_allreduce
-
-    ba = bsub.add_parser("allreduce", help="nccl-tests-style all-reduce sweep, side by side with gloo")
-    bench_allreduce.add_arguments(ba)
-    ba.set_defaults(func=bench_allreduce.run)
-
-    from .bench import soak as bench_soak
-
-    bs = bsub.add_parser("soak", help="thousands of random checked all-reduces; reducer memory must stay flat")
-    bench_soak.add_arguments(bs)
-    bs.set_defaults(func=bench_soak.run)
-
-    from .bench import ddp_testbed as bench_ddp
-
-    bd = bsub.add_parser("ddp", help="DDP training steps/s on the emulated cluster: gloo, redsock ring, reducers")
-    bench_ddp.add_arguments(bd)
-    bd.set_defaults(func=bench_ddp.run)
-
-    from .bench import reproduce as bench_reproduce
-
-    rp = sub.add_parser("reproduce", help="measure the seed's claims on the emulated testbed (root): docs/results.md")
-    bench_reproduce.add_arguments(rp)
-    rp.set_defaults(func=bench_reproduce.run)
+    commands = [
+        (bsub, "transport", transport, "throughput and latency between two processes"),
+        (bsub, "allreduce", allreduce, "nccl-tests-style all-reduce sweep, side by side with gloo"),
+        (bsub, "soak", soak, "thousands of random checked all-reduces; reducer memory must stay flat"),
+        (bsub, "ddp", ddp_testbed, "DDP training steps/s on the emulated cluster: gloo, redsock ring, reducers"),
+        (sub, "reproduce", reproduce, "measure the seed's claims on the emulated testbed (root): docs/results.md"),
+    ]
+    for parent, name, module, help_text in commands:  # each module: add_arguments(parser), run(args)
+        cmd = parent.add_parser(name, help=help_text)
+        module.add_arguments(cmd)
+        cmd.set_defaults(func=module.run)
 
     srv = sub.add_parser("serve", help="run a reduction server (stops on SIGTERM/SIGINT)")
     srv.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")

@@ -23,7 +23,6 @@ by source port only, see :data:`PERFLOW_CAVEAT`.
 Sub-benchmarks that fail (or do not exist) still get their section, saying what
 went wrong; the command then exits non-zero.  The pure parts (bounds, ratios,
 tables) take parsed rows and return text, so they are tested without a testbed.
-Also runs as ``python -m redsock.bench.reproduce``.
 """
 
 from __future__ import annotations
@@ -77,8 +76,6 @@ PERFLOW_CAVEAT = (
     "share one class and a ring is as slow as the class that port hashes to; real ECMP hashes both ports. "
     "These figures therefore show where the listening ports landed, not Fast Socket's gain (section 1 "
     "measures that). Opt in with `--only perflow`.")
-DESCRIPTION = ("measure the seed's headline claims on the emulated testbed (root) and write "
-               "<out>/results.md with plots and raw JSON")
 #: Kinds of file this command writes under ``<out>/results/`` (cleared at the start of a run).
 _OWN_SUFFIXES = (".jsonl", ".png", ".log", ".err")
 
@@ -1279,21 +1276,3 @@ def run(args: argparse.Namespace) -> int:
     nx.require_root("redsock reproduce")
     rc, _ = execute(settings, out, prefix, progress=not args.no_progress)
     return rc
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m redsock.bench.reproduce``: the same command without the ``redsock`` CLI."""
-    p = argparse.ArgumentParser(prog="python -m redsock.bench.reproduce", description=DESCRIPTION)
-    add_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return run(args)
-    except RedsockError as e:
-        print(f"redsock: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

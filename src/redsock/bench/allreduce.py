@@ -36,14 +36,17 @@ def make_input(count: int, dtype: np.dtype, op: ops.ReduceOp, rank: int, seed: i
     """Elements ``start .. start+count`` of a rank's input: values whose exact reduction is
     representable in every dtype (small integers; for prod, ones and twos), so a float64
     reference is exact too."""
-    i = np.arange(start, start + count, dtype=np.int64)
-    if op is ops.ReduceOp.PROD:
-        vals = 1 + ((i + rank + seed) % 2)
-    else:
-        vals = (i * 7 + rank * 3 + seed) % 11 - 5
-        if dtype == np.uint8:
-            vals = np.abs(vals)
-    return vals.astype(dtype)
+    out = np.empty(count, dtype)
+    for lo in range(0, count, CHECK_BLOCK):  # in blocks: int64 temporaries of 256 Mi int8 elements are GBs
+        i = np.arange(start + lo, start + min(count, lo + CHECK_BLOCK), dtype=np.int64)
+        if op is ops.ReduceOp.PROD:
+            vals = 1 + ((i + rank + seed) % 2)
+        else:
+            vals = (i * 7 + rank * 3 + seed) % 11 - 5
+            if dtype == np.uint8:
+                vals = np.abs(vals)
+        out[lo:lo + len(i)] = vals.astype(dtype)
+    return out
 
 
 def reference(count: int, dtype: np.dtype, op: ops.ReduceOp, world: int, seed: int, start: int = 0) -> np.ndarray:

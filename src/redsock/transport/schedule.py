@@ -6,7 +6,9 @@ sent it).  So a slow stream is simply a stream that asks less often — the
 dynamic balancing of Fast Socket, where a socket with a full queue is skipped.
 
 * :class:`DynamicSchedule` — one shared FIFO of messages; every stream takes
-  the next ``chunk``-sized slice of the oldest unfinished message.
+  the next slice of the oldest unfinished message.  Slices are ``chunk`` bytes,
+  or smaller so that each stream gets several of every message (see
+  :meth:`DynamicSchedule.slice_bytes`): balancing needs more slices than streams.
 * :class:`StaticSchedule` — what NCCL's socket transport does: each message is
   split into at most one equal piece per stream (>= 64 KiB), stream *i* sends
   piece *i*; the message finishes when the slowest piece does.

@@ -131,7 +131,7 @@ class Settings:
 
 
 PLANS: dict[str, Settings] = {
-    # About 15-30 minutes on 2 cores (N=8 with 8 reducers is CPU-bound there).
+    # About 12 minutes on 2 cores (measured: 12.4; N=8 with 8 reducers is CPU-bound there).
     "full": Settings(mode="full"),
     # Under 5 minutes on 2 cores: fewer sizes and N, short DDP.
     "quick": Settings(
@@ -1233,7 +1233,7 @@ def execute(settings: Settings, out_dir: Path, prefix: str, progress: bool = Tru
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="fewer sizes, N=2,4, short DDP: under 5 minutes on 2 cores (full: about 15-30)")
+                   help="fewer sizes, N=2,4, short DDP: under 5 minutes on 2 cores (full: about 12)")
     p.add_argument("--out", default="docs", metavar="DIR",
                    help="write DIR/results.md and DIR/results/ (rewritten; default %(default)s)")
     p.add_argument("--only", metavar="SECTIONS",

@@ -516,18 +516,12 @@ class ProcessGroupRedsock(dist.ProcessGroup):
             self._check_peer(root, "gather root")
             jobs = [("send", root, _GATHER_TAG, _sender(self.comm, src.array, root, _GATHER_TAG))]
             return self._p2p("gather", inputs, [src], jobs, lambda: [])
-        outs = [list(o) for o in output_tensors]
-        if len(outs) != 1 or len(outs[0]) != self._world:
-            raise ConfigError(f"redsock gather: the root needs one list of {self._world} output tensors")
-        staged = [Staged(t, read=False, write=True, what="gather") for t in outs[0]]
-        for r, s in enumerate(staged):
-            if s.array.nbytes != src.array.nbytes or s.tensor.dtype != inputs[0].dtype:
-                raise ConfigError(f"redsock gather: output tensor {r} differs from the input in size or dtype")
+        outs, staged = self._root_tensors("gather", output_tensors, src, "output", "input", write=True)
         sync_devices(inputs)
         staged[self._me].array[...] = src.array
         jobs = [("recv", r, _GATHER_TAG, _receiver(self.comm, s.array, r, _GATHER_TAG))
                 for r, s in enumerate(staged) if r != self._me]
-        return self._p2p("gather", [*inputs, *outs[0]], [src, *staged], jobs, lambda: outs[0])
+        return self._p2p("gather", [*inputs, *outs], [src, *staged], jobs, lambda: outs)
 
     def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
         outputs = _as_list(output_tensors)
@@ -539,18 +533,25 @@ class ProcessGroupRedsock(dist.ProcessGroup):
             self._check_peer(root, "scatter root")
             jobs = [("recv", root, _SCATTER_TAG, _receiver(self.comm, dst.array, root, _SCATTER_TAG))]
             return self._p2p("scatter", outputs, [dst], jobs, lambda: outputs)
-        ins = [list(i) for i in input_tensors]
-        if len(ins) != 1 or len(ins[0]) != self._world:
-            raise ConfigError(f"redsock scatter: the root needs one list of {self._world} input tensors")
-        staged = [Staged(t, read=True, write=False, what="scatter") for t in ins[0]]
-        for r, s in enumerate(staged):
-            if s.array.nbytes != dst.array.nbytes or s.tensor.dtype != outputs[0].dtype:
-                raise ConfigError(f"redsock scatter: input tensor {r} differs from the output in size or dtype")
-        sync_devices(ins[0])
+        ins, staged = self._root_tensors("scatter", input_tensors, dst, "input", "output", write=False)
+        sync_devices(ins)
         dst.array[...] = staged[self._me].array
         jobs = [("send", r, _SCATTER_TAG, _sender(self.comm, s.array, r, _SCATTER_TAG))
                 for r, s in enumerate(staged) if r != self._me]
-        return self._p2p("scatter", [*outputs, *ins[0]], [dst, *staged], jobs, lambda: outputs)
+        return self._p2p("scatter", [*outputs, *ins], [dst, *staged], jobs, lambda: outputs)
+
+    def _root_tensors(self, what: str, tensor_lists: Any, mine: Staged, kind: str, other: str,
+                      write: bool) -> tuple[list[Any], list[Staged]]:
+        """The root's one list of world-size tensors for gather (outputs) or scatter (inputs),
+        staged, each the size and dtype of this rank's own ``other`` tensor."""
+        lists = [list(t) for t in tensor_lists]
+        if len(lists) != 1 or len(lists[0]) != self._world:
+            raise ConfigError(f"redsock {what}: the root needs one list of {self._world} {kind} tensors")
+        staged = [Staged(t, read=not write, write=write, what=what) for t in lists[0]]
+        for r, s in enumerate(staged):
+            if s.array.nbytes != mine.array.nbytes or s.tensor.dtype != mine.tensor.dtype:
+                raise ConfigError(f"redsock {what}: {kind} tensor {r} differs from the {other} in size or dtype")
+        return lists[0], staged
 
     # -- coalescing (torch's _coalescing_manager) ---------------------------------------------
 

@@ -14,7 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    from .bench import allreduce, ddp_testbed, reproduce, soak, transport
+    from .bench import allreduce, ddp_testbed, floor, reproduce, soak, transport
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         (bsub, "transport", transport, "throughput and latency between two processes"),
         (bsub, "allreduce", allreduce, "nccl-tests-style all-reduce sweep, side by side with gloo"),
         (bsub, "soak", soak, "thousands of random checked all-reduces; reducer memory must stay flat"),
+        (bsub, "floor", floor, "what plain sockets allow here (ring traffic, reducer fan-in), next to gloo"),
         (bsub, "ddp", ddp_testbed, "DDP training steps/s on the emulated cluster: gloo, redsock ring, reducers"),
         (sub, "reproduce", reproduce, "measure the seed's claims on the emulated testbed (root): docs/results.md"),
     ]

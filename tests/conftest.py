@@ -18,7 +18,8 @@ def make_pair():
     made = []
 
     def make(**overrides):
-        cfg = Config.from_env(**{"timeout_s": 20.0, **overrides})
+        # local_nsocks=0: these tests exercise the multi-stream path, over loopback
+        cfg = Config.from_env(**{"timeout_s": 20.0, "local_nsocks": 0, **overrides})
         listener = Listener(config=cfg)
         client = connect(listener.address, config=cfg, name="client")
         server = listener.accept(timeout=10)

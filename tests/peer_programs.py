@@ -42,7 +42,7 @@ def throttled_stream(rate: str, nbytes: str, balance: str = "dynamic") -> None:
 
     from redsock.transport import Listener
 
-    cfg = Config(nsocks=4, chunk_bytes=64 * 1024, balance=balance, timeout_s=60)
+    cfg = Config(nsocks=4, local_nsocks=0, chunk_bytes=64 * 1024, balance=balance, timeout_s=60)
     with Listener("127.0.0.1", 0, config=cfg) as listener:
         client = connect(listener.address, config=cfg, name="client")
         server = listener.accept(10)

@@ -304,3 +304,64 @@ def test_last_message_before_close_is_delivered(nbytes):
             t.join()
             c.close()
             assert np.array_equal(out, data), f"session {i}"
+
+
+# ------------------------------------------------------------------ same-host profile
+
+class _Ends:
+    """Just the two addresses of a connected socket, for same_host()."""
+
+    def __init__(self, local, peer):
+        self._local, self._peer = local, peer
+
+    def getsockname(self):
+        return (self._local, 1)
+
+    def getpeername(self):
+        return (self._peer, 2)
+
+
+@pytest.mark.parametrize("local, peer, want", [
+    ("127.0.0.1", "127.0.0.1", True), ("127.0.0.1", "127.0.0.2", True), ("::1", "::1", True),
+    ("10.1.2.3", "10.1.2.3", True),           # this host's own address
+    ("::ffff:127.0.0.1", "::ffff:127.0.0.1", True),
+    ("198.18.0.1", "198.18.0.2", False),      # another host (or testbed namespace)
+])
+def test_same_host_is_loopback_or_own_address(local, peer, want):
+    from redsock.transport.sockets import same_host
+
+    assert same_host(_Ends(local, peer)) is want
+
+
+def test_a_peer_on_this_host_gets_one_stream_whole_slices_and_no_lowat():
+    cfg = Config(timeout_s=20, nsocks=4, chunk_bytes=256 * 1024, notsent_lowat=32 * 1024)  # local_nsocks=1
+    listener = Listener(config=cfg)
+    client = connect(listener.address, config=cfg)
+    server = listener.accept(timeout=10)
+    try:
+        for conn in (client, server):
+            assert conn.nstreams == 1
+            assert conn.config.chunk_bytes == 4 << 20 and conn.config.notsent_lowat == 0
+        data = np.arange(3 << 20, dtype=np.uint8)
+        assert np.array_equal(roundtrip(client, server, data), data)
+        assert np.array_equal(roundtrip(server, client, data[::-1].copy()), data[::-1])
+    finally:
+        client.close()
+        server.close()
+        listener.close()
+
+
+def test_local_nsocks_zero_treats_this_host_like_any_peer(make_pair):
+    client, server = make_pair(nsocks=3, local_nsocks=0, notsent_lowat=32 * 1024)
+    assert client.nstreams == server.nstreams == 3
+    assert client.config.notsent_lowat == 32 * 1024
+
+
+def test_same_host_profile_options_are_checked():
+    cfg = Config(local_nsocks=2, chunk_bytes=8 << 20)
+    assert cfg.for_peer(False) is cfg
+    local = cfg.for_peer(True)
+    assert (local.nsocks, local.chunk_bytes, local.notsent_lowat) == (2, 8 << 20, 0)  # larger chunks are kept
+    with pytest.raises(ConfigError, match="local_nsocks"):
+        Config(local_nsocks=17)
+    assert Config.from_env({"REDSOCK_LOCAL_NSOCKS": "0"}).local_nsocks == 0

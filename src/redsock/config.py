@@ -21,6 +21,7 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 
 MAX_NSOCKS = 16
+LOCAL_CHUNK_BYTES = 4 * MiB  # slice size floor of the same-host profile (Config.local_nsocks)
 BALANCES = ("dynamic", "static")
 ALGOS = ("auto", "ring", "small", "server")
 FALLBACKS = ("none", "ring")
@@ -32,6 +33,12 @@ class Config:
 
     #: TCP data streams per connection (plus one control stream).
     nsocks: int = 4
+    #: Data streams to a peer on this same host (loopback, or this host's own address), which
+    #: then also get whole slices of at least LOCAL_CHUNK_BYTES and no TCP_NOTSENT_LOWAT: there
+    #: is no network path to balance, and fewer, larger system calls leave the CPU to the
+    #: kernel's copies (4 ranks on loopback: 4 MiB all-reduce 13.0 -> 9.0-9.6 ms, 64 MiB 123 -> 99-107 ms).
+    #: 0: treat such a peer like any other (nsocks streams).
+    local_nsocks: int = 1
     #: Slice size for messages on the data streams.
     chunk_bytes: int = 512 * KiB
     #: Messages up to this size go inline on the control stream from the caller's thread.
@@ -75,6 +82,7 @@ class Config:
                 raise ConfigError(msg)
 
         check(1 <= self.nsocks <= MAX_NSOCKS, f"nsocks must be 1..{MAX_NSOCKS}, got {self.nsocks}")
+        check(0 <= self.local_nsocks <= MAX_NSOCKS, f"local_nsocks must be 0..{MAX_NSOCKS}, got {self.local_nsocks}")
         check(4 * KiB <= self.chunk_bytes <= 256 * MiB, f"chunk_bytes must be 4 KiB..256 MiB, got {self.chunk_bytes}")
         check(0 <= self.inline_bytes <= 1 * MiB, f"inline_bytes must be 0..1 MiB, got {self.inline_bytes}")
         check(self.spin_us >= 0, f"spin_us must be >= 0, got {self.spin_us}")
@@ -120,6 +128,14 @@ class Config:
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
+
+    def for_peer(self, same_host: bool) -> "Config":
+        """The settings for one connection: the same-host profile (see ``local_nsocks``) when the
+        peer is on this host and the profile is on, else these."""
+        if not same_host or not self.local_nsocks:
+            return self
+        return self.replace(nsocks=self.local_nsocks, notsent_lowat=0,
+                            chunk_bytes=max(self.chunk_bytes, LOCAL_CHUNK_BYTES))
 
 
 def read_token_file(path: str | os.PathLike) -> bytes:

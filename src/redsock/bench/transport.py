@@ -221,7 +221,7 @@ def run_driver(addr: tuple[str, int], impls: list[str], config: Config, sizes: l
                 extra["slices_per_stream"] = list(conn.slices_sent)
             rows.append(TransportRow(
                 impl=impl, mode=r["mode"], bytes=r["bytes"],
-                nsocks=config.nsocks if impl == "redsock" else 1,
+                nsocks=len(ports) if impl == "redsock" else 1,
                 balance=config.balance if impl == "redsock" else "-", iters=r["iters"],
                 median_s=med, min_s=min(r["times"]),
                 gbps=(r["bytes"] * 8 / med / 1e9) if r["mode"] == "throughput" and med > 0 else 0.0,
@@ -283,7 +283,8 @@ def run(args: argparse.Namespace) -> int:
         from . import transport_testbed
 
         return transport_testbed.run(args)
-    config = Config.from_env(nsocks=args.nsocks, balance=args.balance,
+    # An explicit --nsocks holds for a peer on this host too (Config.local_nsocks).
+    config = Config.from_env(nsocks=args.nsocks, local_nsocks=args.nsocks, balance=args.balance,
                              chunk_bytes=parse_size(args.chunk) if args.chunk else None)
     if args.listen:
         host, port = parse_hostport(args.listen)
@@ -329,7 +330,8 @@ def _print_ratios(rows: list[TransportRow]) -> None:
 
 
 def _config_env(config: Config) -> dict[str, str]:
-    return {"REDSOCK_NSOCKS": str(config.nsocks), "REDSOCK_BALANCE": config.balance,
+    return {"REDSOCK_NSOCKS": str(config.nsocks), "REDSOCK_LOCAL_NSOCKS": str(config.local_nsocks),
+            "REDSOCK_BALANCE": config.balance,
             "REDSOCK_CHUNK_BYTES": str(config.chunk_bytes)}
 
 

@@ -17,7 +17,7 @@ from ..config import Config
 from ..errors import ProtocolError, RedsockError, Timeout, TransportError
 from .connection import Connection
 from .handshake import client_handshake, send_verdict, server_handshake
-from .sockets import translate_oserror, tune
+from .sockets import same_host, translate_oserror, tune
 
 log = logging.getLogger("redsock.transport")
 
@@ -55,16 +55,20 @@ def _connect_once(host: str, port: int, config: Config, name: str, peer: str) ->
     source = (config.bind_addr, 0) if config.bind_addr else None
     try:
         inline = config.inline_bytes
-        for i in range(config.nsocks + 1):
+        i = 0
+        while i <= config.nsocks:
             kind = wire.StreamKind.CONTROL if i == 0 else wire.StreamKind.DATA
             s = socket.create_connection((host, port), timeout=timeout, source_address=source)
             socks.append(s)
+            if i == 0:  # the control stream tells whether the peer is on this host
+                config = config.for_peer(same_host(s))
             tune(s, config, data=i > 0)
             hello = wire.Hello(kind, max(0, i - 1), config.nsocks, conn_id, os.urandom(wire.NONCE_BYTES),
                                name, config.inline_bytes)
             challenge = client_handshake(s, hello, config.token, peer)
             if i == 0:
                 inline = min(inline, challenge.inline_bytes)
+            i += 1
         for s in socks:
             s.settimeout(None)  # data threads block; deadlines are enforced by waiters
         return Connection(socks[0], socks[1:], peer=peer, config=config, inline_bytes=inline)
@@ -207,12 +211,13 @@ class Listener:
         send_verdict(sock, wire.Status.OK)
         if not done:
             return
+        config = self.config.for_peer(same_host(p.ctrl))
         for s in [p.ctrl, *p.data]:
             s.settimeout(None)
-            tune(s, self.config, data=s is not p.ctrl)
-        inline = min(self.config.inline_bytes, p.hello.inline_bytes)
+            tune(s, config, data=s is not p.ctrl)
+        inline = min(config.inline_bytes, p.hello.inline_bytes)
         peer = f"{p.hello.name}@{p.addr}" if p.hello.name else p.addr
-        conn = Connection(p.ctrl, p.data, peer=peer, config=self.config, inline_bytes=inline)  # type: ignore[arg-type]
+        conn = Connection(p.ctrl, p.data, peer=peer, config=config, inline_bytes=inline)  # type: ignore[arg-type]
         p.complete.set()
         if self._closed:
             conn.close()

@@ -4,6 +4,7 @@ boundary where ``OSError`` becomes a :class:`~redsock.errors.TransportError`."""
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import socket
 
@@ -17,6 +18,16 @@ SO_ZEROCOPY = getattr(socket, "SO_ZEROCOPY", 60)
 MSG_ZEROCOPY = getattr(socket, "MSG_ZEROCOPY", 0x4000000)
 SO_BUSY_POLL = getattr(socket, "SO_BUSY_POLL", 46)
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
+
+
+def same_host(sock: socket.socket) -> bool:
+    """True if ``sock`` (connected) talks to this same host: a loopback peer, or a peer at the
+    address this end uses.  (A host in another network namespace counts as another host.)"""
+    try:
+        peer, local = sock.getpeername()[0], sock.getsockname()[0]
+    except OSError:
+        return False
+    return peer == local or ipaddress.ip_address(peer.removeprefix("::ffff:")).is_loopback
 
 
 def tune(sock: socket.socket, config: Config, *, data: bool) -> None:

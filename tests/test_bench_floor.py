@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -41,3 +42,31 @@ def test_ring_and_fanin_report_checked_measurements(tmp_path):
 def test_bad_options_are_refused(args):
     r = floor(*args, timeout=60)
     assert r.returncode == 2 and "redsock: error:" in r.stderr
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")
+
+
+def test_testbed_row_arithmetic():
+    from redsock.bench.floor_testbed import _row
+
+    r = _row(64 << 20, 4, 2, 1_000_000_000, 0.8, 1.0)
+    assert r["floor_algbw"] == pytest.approx((64 << 20) / 0.8 / 1e9)
+    assert r["floor_good"] == pytest.approx(r["floor_algbw"] / (1e9 / 8 * 0.956 / 1e9))
+    assert r["max_x_gloo"] == pytest.approx(1.25) and r["ideal"] == pytest.approx(1.5)
+
+
+@needs_root
+def test_testbed_floor_runs_the_pattern_and_gloo_and_cleans_up(tmp_path):
+    from redsock.testbed import list_prefix_netns
+
+    out, prefix = tmp_path / "tb.json", f"rsflt{os.getpid() % 10000}"
+    r = floor("--testbed", "--nprocs", "2", "--servers", "2", "--rate", "1gbit", "--sizes", "2M", "--iters", "2",
+              "--warmup", "1", "--prefix", prefix, "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["size"] == 2 << 20 and row["workers"] == 2 and row["servers"] == 2
+    assert row["floor_s"] > 0 and row["gloo_s"] > 0 and 0 <= row["floor_cpu_busy"] <= 1
+    # bytes per worker cannot cross a 1 Gbit/s link faster than the link
+    assert row["floor_s"] >= (2 << 20) / (1e9 / 8)
+    assert list_prefix_netns(prefix) == []

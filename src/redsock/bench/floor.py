@@ -35,6 +35,7 @@ import numpy as np
 
 from ..config import parse_size
 from ..errors import ConfigError, PeerFailure
+from .report import human_size
 
 _CONNECT_S = 180.0  # 9 processes importing torch on 2 cores take a while
 _IO_TIMEOUT_S = 120.0
@@ -286,6 +287,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=10, help="timed iterations (fanin: x100)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", metavar="FILE", help="write the results as a JSON list")
+    g = p.add_argument_group("emulated cluster (root)")
+    g.add_argument("--testbed", action="store_true",
+                   help="instead: the reduction servers' traffic with plain sockets, --nprocs worker hosts and "
+                        "--servers reducer hosts on shaped links, then gloo on the same testbed")
+    g.add_argument("--servers", type=int, help="with --testbed: reducer hosts (default: as many as --nprocs)")
+    g.add_argument("--rate", default="1gbit", help="with --testbed: link rate each way (default 1gbit)")
+    g.add_argument("--tcp-cc", metavar="NAME", default="reno", help="with --testbed: TCP congestion control")
+    g.add_argument("--prefix", help="with --testbed: namespace prefix (default rsfl<pid>)")
+    g.add_argument("--timeout", type=float, default=600, help="with --testbed: per run, seconds (default 600)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -296,6 +306,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"bad --sizes or --workers value: {e}") from None
     if args.nprocs < 2 or args.iters < 1 or args.warmup < 0 or any(w < 1 for w in workers) or not sizes:
         raise ConfigError("--nprocs >= 2, --iters >= 1, --warmup >= 0, workers >= 1 and one size at least")
+    if args.testbed:
+        from . import floor_testbed
+
+        return floor_testbed.run(args, sizes)
     results: list[dict] = []
     if args.mode in ("ring", "both"):
         print(f"# ring floor: {args.nprocs} ranks on loopback stream 2(N-1)/N x size each way with plain "
@@ -305,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
         for row in run_ring(args.nprocs, sizes, args.warmup, args.iters):
             results.append(row)
-            print(f"{_fmt_size(row['size']):>10} {row['floor_s'] * 1e6:11.0f} {row['floor_busbw']:11.3f} "
+            print(f"{human_size(row['size']):>10} {row['floor_s'] * 1e6:11.0f} {row['floor_busbw']:11.3f} "
                   f"{row['gloo_s'] * 1e6:10.0f} {row['gloo_busbw']:10.3f} {row['max_x_gloo']:10.2f}x "
                   f"{row['redsock_ring_s'] * 1e6:10.0f} {row['redsock_ring_busbw']:10.3f} "
                   f"{row['ring_x_gloo']:9.2f}x", flush=True)
@@ -325,9 +339,3 @@ def run(args: argparse.Namespace) -> int:
             json.dump(results, f, indent=1)
     return 0
 
-
-def _fmt_size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"

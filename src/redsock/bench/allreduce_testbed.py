@@ -32,24 +32,20 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import IO, Any, Sequence
+from typing import Any, Sequence
 
 from ..errors import ConfigError, RedsockError
 from ..testbed import netns as nx
 from ..testbed.cluster import PROFILES, Testbed
 from ..testbed.netns import format_rate, parse_rate
 from . import report
+from .testbed_launch import (GOODPUT_FACTOR, SERVER_PORT, Proc, box_cpu, proc_status, set_congestion_control,
+                             start_ranks, start_servers, stop, tail, wait_ranks)
 
 __all__ = ["GOODPUT_FACTOR", "add_arguments", "child_argv", "run", "summary_table"]
 
-#: Payload goodput of a shaped testbed link as a share of its configured rate
-#: (tc counts Ethernet/IP/TCP headers; measured on this testbed at a 1500-byte MTU).
-GOODPUT_FACTOR = 0.956
-MASTER_PORT = 29500
-SERVER_PORT = 7700
-SERVER_START_S = 30.0
 #: Options that belong to the launcher (this module and ``--nprocs``), not to the ranks.
 _LAUNCHER_DESTS = {"nprocs", "timeout", "json", "plot", "no_progress"}
 
@@ -152,45 +148,6 @@ def _us(seconds: float) -> str:
     return f"{us:.0f}" if us >= 1000 else f"{us:.1f}"
 
 
-# -- processes ---------------------------------------------------------------------
-
-@dataclass
-class _Proc:
-    name: str
-    proc: subprocess.Popen[Any]
-    log: Path
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-def _tail(path: Path, n: int = 3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:].strip()
-    except OSError:
-        return ""
-
-
-def _proc_status(pid: int) -> dict[str, float]:
-    """Peak RSS (VmHWM, MiB) and CPU seconds so far of a live process, from /proc."""
-    out: dict[str, float] = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(("VmHWM:", "VmRSS:")):
-                out[line.split(":")[0]] = int(line.split()[1]) / 1024
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        tick = os.sysconf("SC_CLK_TCK")
-        out["cpu_s"] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    except (OSError, IndexError, ValueError):
-        pass
-    return out
-
-
-def _box_cpu() -> tuple[int, int]:
-    """(busy, total) jiffies of the whole machine, from /proc/stat."""
-    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
-    return sum(vals) - idle, sum(vals)
-
-
 def link_counters(tb: Testbed) -> dict[str, dict[str, int]]:
     """Per host, ``{"up_bytes", "up_drops", "down_bytes", "down_drops"}`` summed over the
     qdiscs of its link (``tc -s``): "up" is host->network, "down" network->host."""
@@ -243,128 +200,6 @@ def _link_line(before: dict[str, dict[str, int]], after: dict[str, dict[str, int
             + "; ".join(parts))
 
 
-def _set_congestion_control(tb: Testbed, name: str | None) -> str:
-    """Set (when ``name``) and read back net.ipv4.tcp_congestion_control of every host namespace."""
-    seen = set()
-    for host in tb.hosts:
-        if name:
-            nx.run(["ip", "netns", "exec", tb.ns(host), "sysctl", "-q", "-w",
-                    f"net.ipv4.tcp_congestion_control={name}"])
-        seen.add(nx.run(["ip", "netns", "exec", tb.ns(host), "sysctl", "-n",
-                         "net.ipv4.tcp_congestion_control"]).stdout.strip())
-    return ",".join(sorted(seen))
-
-
-def _child_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {**os.environ, **extra}
-    src = str(Path(__file__).resolve().parents[2])  # .../src, so an uninstalled tree works too
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the machine's cores
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def _start_servers(tb: Testbed, logdir: Path, deadline: float) -> list[_Proc]:
-    servers = []
-    for name in tb.server_names:
-        log = logdir / f"{name}.log"
-        argv = [sys.executable, "-m", "redsock", "serve", "--host", tb.host_addr(name), "--port", str(SERVER_PORT)]
-        with log.open("w") as f:
-            proc = tb.popen(name, argv, stdout=subprocess.PIPE, stderr=f, text=True,
-                            env=_child_env({"REDSOCK_BIND_ADDR": tb.host_addr(name)}), start_new_session=True)
-        servers.append(_Proc(name, proc, log))
-    for s in servers:  # wait for each "redsock reduction server on ..." line
-        got: dict[str, str] = {}
-
-        def read(p: subprocess.Popen[Any] = s.proc) -> None:
-            got["line"] = p.stdout.readline() if p.stdout else ""
-
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        t.join(max(1.0, min(SERVER_START_S, deadline - time.monotonic())))
-        if not got.get("line", "").startswith("redsock reduction server on"):
-            raise RedsockError(f"reduction server on {s.name} did not start: {got.get('line', '')!r}; "
-                               f"log: {_tail(s.log) or '(empty)'}")
-    return servers
-
-
-def _relay(stream: IO[str], sink: IO[str], copy: IO[str]) -> None:
-    for line in stream:
-        sink.write(line)
-        sink.flush()
-        copy.write(line)
-    copy.flush()
-
-
-def _start_ranks(tb: Testbed, cmd: list[str], logdir: Path, extra_env: dict[str, str] | None = None,
-                 master_port: int = MASTER_PORT, tag: str = "") -> tuple[list[_Proc], list[threading.Thread]]:
-    """Run ``cmd`` once per worker host as a torchrun-style rank (rank r on host w<r>).
-
-    Rank 0's stdout is relayed live to ours and copied to its log; every other
-    output goes to ``logdir/<host><tag>.log``."""
-    servers = ",".join(f"{tb.host_addr(s)}:{SERVER_PORT}" for s in tb.server_names)
-    ranks, relays = [], []
-    world = tb.workers
-    for r, name in enumerate(tb.worker_names):
-        env = {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-               "MASTER_ADDR": tb.host_addr("w0"), "MASTER_PORT": str(master_port),
-               "GLOO_SOCKET_IFNAME": tb.host(name).dev}
-        if servers:
-            env["REDSOCK_SERVERS"] = servers
-        env.update(extra_env or {})
-        log = logdir / f"{name}{tag}.log"
-        if r == 0:  # stdout live to ours (the tables); stderr into its log
-            err = (logdir / f"{name}{tag}.err").open("w")
-            proc = tb.popen(name, cmd, env=_child_env(env), stdout=subprocess.PIPE, stderr=err, text=True,
-                            start_new_session=True)
-            err.close()
-            copy = log.open("w")
-            t = threading.Thread(target=_relay, args=(proc.stdout, sys.stdout, copy), daemon=True)
-            t.start()
-            relays.append(t)
-            ranks.append(_Proc(name, proc, logdir / f"{name}{tag}.err"))
-        else:
-            with log.open("w") as f:
-                proc = tb.popen(name, cmd, env=_child_env(env), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-            ranks.append(_Proc(name, proc, log))
-    return ranks, relays
-
-
-def _wait_ranks(ranks: list[_Proc], servers: list[_Proc], deadline: float, timeout: float) -> str | None:
-    """Wait for every rank; return why it stopped early (None when all exited)."""
-    while True:
-        codes = [p.proc.poll() for p in ranks]
-        if all(c is not None for c in codes):
-            return None
-        failed = [p for p, c in zip(ranks, codes) if c not in (None, 0)]
-        if failed:
-            # The others are blocked on the failed peer (or about to report it): give them a
-            # moment to say so, then stop them.
-            end = time.monotonic() + 5.0
-            while time.monotonic() < end and any(p.proc.poll() is None for p in ranks):
-                time.sleep(0.1)
-            return f"rank {ranks.index(failed[0])} ({failed[0].name}) exited with {failed[0].proc.returncode}"
-        dead = [s for s in servers if s.proc.poll() is not None]
-        if dead:
-            return f"reduction server on {dead[0].name} exited with {dead[0].proc.returncode}"
-        if time.monotonic() > deadline:
-            return f"ranks still running after --timeout {timeout:.0f}s"
-        time.sleep(0.1)
-
-
-def _stop(procs: list[_Proc]) -> None:
-    for p in procs:
-        if p.proc.poll() is None:
-            p.proc.terminate()
-    for p in procs:
-        try:
-            p.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            p.proc.kill()
-            p.proc.wait(timeout=5)
-
-
 # -- the command -------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> int:
@@ -389,31 +224,31 @@ def run(args: argparse.Namespace) -> int:
         logdir = Path(tmp)
         json_path = logdir / "rows.jsonl"
         argv = child_argv(args, str(json_path))
-        ranks: list[_Proc] = []
-        server_procs: list[_Proc] = []
+        ranks: list[Proc] = []
+        server_procs: list[Proc] = []
         relays: list[threading.Thread] = []
         try:
             print(f"# testbed {prefix}: building {args.workers} workers + {servers} reducers, "
                   f"{args.profile} links at {format_rate(rate)}", flush=True)
             tb.up()
-            cc = _set_congestion_control(tb, args.tcp_cc)
+            cc = set_congestion_control(tb, args.tcp_cc)
             print(f"# TCP congestion control in the hosts: {cc}", flush=True)
-            server_procs = _start_servers(tb, logdir, deadline)
+            server_procs = start_servers(tb, logdir, deadline)
             children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             links0, tcp0 = link_counters(tb), tcp_counters(tb)
-            cpu0 = {s.name: _proc_status(s.proc.pid).get("cpu_s", 0.0) for s in server_procs}
-            box0, t0 = _box_cpu(), time.monotonic()
-            ranks, relays = _start_ranks(tb, [sys.executable, "-m", "redsock", *argv], logdir)
-            why = _wait_ranks(ranks, server_procs, deadline, args.timeout)
+            cpu0 = {s.name: proc_status(s.proc.pid).get("cpu_s", 0.0) for s in server_procs}
+            box0, t0 = box_cpu(), time.monotonic()
+            ranks, relays = start_ranks(tb, [sys.executable, "-m", "redsock", *argv], logdir)
+            why = wait_ranks(ranks, server_procs, deadline, args.timeout)
             wall = time.monotonic() - t0
-            box1 = _box_cpu()
+            box1 = box_cpu()
             links = _link_line(links0, link_counters(tb), wall)
             tcp1 = tcp_counters(tb)
             links += "\n# TCP over the run, all hosts: " + ", ".join(f"{k} {tcp1[k] - tcp0[k]}" for k in _TCP_KEYS)
             for s in server_procs:  # read before they exit: the peak RSS dies with the process
-                s.info = _proc_status(s.proc.pid)
+                s.info = proc_status(s.proc.pid)
                 s.info["cpu_s"] = s.info.get("cpu_s", 0.0) - cpu0.get(s.name, 0.0)  # during the run
-            _stop(ranks)
+            stop(ranks)
             for t in relays:
                 t.join(timeout=5)
             rc = _report(args, tb, ranks, server_procs, why, json_path, rate, servers, wall,
@@ -421,12 +256,12 @@ def run(args: argparse.Namespace) -> int:
             print(links)
         finally:
             with _no_interrupts():
-                _stop(ranks + server_procs)
+                stop(ranks + server_procs)
                 tb.down()
     return rc
 
 
-def _report(args: argparse.Namespace, tb: Testbed, ranks: list[_Proc], servers: list[_Proc],
+def _report(args: argparse.Namespace, tb: Testbed, ranks: list[Proc], servers: list[Proc],
             why: str | None, json_path: Path, rate: int, nservers: int, wall: float,
             children0: Any, box0: tuple[int, int], box1: tuple[int, int]) -> int:
     rc = 0
@@ -438,11 +273,11 @@ def _report(args: argparse.Namespace, tb: Testbed, ranks: list[_Proc], servers: 
         if code != 0:
             rc = rc or (code if code and code > 0 else 1)
             if why is not None or code != 1:  # exit 1 alone from rank 0 means wrong elements
-                print(f"--- {p.name} (exit {code}) ---\n{_tail(p.log) or '(no output)'}", file=sys.stderr)
+                print(f"--- {p.name} (exit {code}) ---\n{tail(p.log) or '(no output)'}", file=sys.stderr)
     for s in servers:
         if s.proc.poll() is not None:
             rc = rc or 1
-            print(f"--- reducer {s.name} exited with {s.proc.returncode} ---\n{_tail(s.log)}", file=sys.stderr)
+            print(f"--- reducer {s.name} exited with {s.proc.returncode} ---\n{tail(s.log)}", file=sys.stderr)
     rows = report.read_json(json_path) if json_path.exists() else []
     if rows:
         meta = {"workers": tb.workers, "servers": nservers, "rate_bps": rate, "profile": tb.profile,

@@ -38,8 +38,8 @@ from ..errors import ConfigError, RedsockError
 from ..testbed import netns as nx
 from ..testbed.cluster import PROFILES, Testbed
 from ..testbed.netns import format_rate, parse_rate
-from .allreduce_testbed import (MASTER_PORT, _Proc, _set_congestion_control, _start_ranks, _start_servers,
-                                _stop, _tail, _wait_ranks)
+from .testbed_launch import (MASTER_PORT, Proc, set_congestion_control, start_ranks, start_servers, stop, tail,
+                             wait_ranks)
 
 __all__ = ["ALGOS", "add_arguments", "parse_result", "run", "summarize", "train_script"]
 
@@ -172,15 +172,15 @@ def run(args: argparse.Namespace) -> int:
     rc = 0
     with tempfile.TemporaryDirectory(prefix="redsock-ddp-tb-") as tmp, _terminate_as_interrupt():
         logdir = Path(tmp)
-        server_procs: list[_Proc] = []
-        ranks: list[_Proc] = []
+        server_procs: list[Proc] = []
+        ranks: list[Proc] = []
         try:
             print(f"# testbed {prefix}: {args.workers} workers + {servers} reducers, {args.profile} links "
                   f"at {format_rate(rate)}", flush=True)
             tb.up()
-            print(f"# TCP congestion control in the hosts: {_set_congestion_control(tb, args.tcp_cc)}", flush=True)
+            print(f"# TCP congestion control in the hosts: {set_congestion_control(tb, args.tcp_cc)}", flush=True)
             if servers:
-                server_procs = _start_servers(tb, logdir, deadline)
+                server_procs = start_servers(tb, logdir, deadline)
             n = 0
             for rep in range(args.repeats):
                 for algo in algos:
@@ -188,11 +188,11 @@ def run(args: argparse.Namespace) -> int:
                     tag = f".{algo}{rep}"
                     print(f"# run {rep + 1}/{args.repeats}: {algo} (--backend {backend})", flush=True)
                     # A fresh store port per run: the last run's may linger in TIME_WAIT.
-                    ranks, relays = _start_ranks(tb, _train_argv(args, backend), logdir, env,
+                    ranks, relays = start_ranks(tb, _train_argv(args, backend), logdir, env,
                                                  master_port=MASTER_PORT + 1 + n, tag=tag)
                     n += 1
-                    why = _wait_ranks(ranks, server_procs, deadline, args.timeout)
-                    _stop(ranks)
+                    why = wait_ranks(ranks, server_procs, deadline, args.timeout)
+                    stop(ranks)
                     for t in relays:
                         t.join(timeout=5)
                     if why is None and any(p.proc.returncode for p in ranks):
@@ -200,19 +200,19 @@ def run(args: argparse.Namespace) -> int:
                     if why is not None:
                         for p in ranks:
                             if p.proc.returncode:
-                                print(f"--- {p.name} (exit {p.proc.returncode}) ---\n{_tail(p.log) or '(no output)'}",
+                                print(f"--- {p.name} (exit {p.proc.returncode}) ---\n{tail(p.log) or '(no output)'}",
                                       file=sys.stderr)
                         raise RedsockError(f"{algo} run {rep + 1} failed: {why}")
                     results[algo].append(parse_result((logdir / f"w0{tag}.log").read_text()))
             for s in server_procs:
                 if s.proc.poll() is not None:
-                    raise RedsockError(f"reduction server on {s.name} exited with {s.proc.returncode}: {_tail(s.log)}")
+                    raise RedsockError(f"reduction server on {s.name} exited with {s.proc.returncode}: {tail(s.log)}")
         except RedsockError as e:
             print(f"redsock: ddp testbed run failed: {e}", file=sys.stderr)
             rc = 1
         finally:
             with _no_interrupts():
-                _stop(ranks + server_procs)
+                stop(ranks + server_procs)
                 tb.down()
     done = {a: r for a, r in results.items() if r}
     if done:

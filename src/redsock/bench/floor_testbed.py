@@ -34,8 +34,8 @@ from ..testbed import netns as nx
 from ..testbed.cluster import Testbed
 from ..testbed.netns import format_rate, parse_rate
 from . import report
-from .allreduce_testbed import (GOODPUT_FACTOR, _box_cpu, _child_env, _Proc, _set_congestion_control, _start_ranks, _stop,
-                                _tail, _wait_ranks)
+from .testbed_launch import (GOODPUT_FACTOR, Proc, box_cpu, child_env, set_congestion_control, start_ranks, stop,
+                             tail, wait_ranks)
 
 FLOOR_PORT = 7800
 _ACCEPT_S = 120.0
@@ -130,7 +130,7 @@ def worker_main(servers: list[str], nbytes: int, iters: int, warmup: int, out: s
         times = []
         for it in range(warmup + iters):
             if it == warmup:
-                cpu0 = _box_cpu()
+                cpu0 = box_cpu()
             t0 = time.perf_counter()
             jobs = []
             for c in conns:
@@ -138,7 +138,7 @@ def worker_main(servers: list[str], nbytes: int, iters: int, warmup: int, out: s
                 jobs.append(lambda c=c: _recv_exact(c, memoryview(bytearray(_BUF)), nbytes))
             _run_threads(jobs)
             times.append(time.perf_counter() - t0)
-        cpu1 = _box_cpu()  # the whole machine (every namespace) over the timed iterations
+        cpu1 = box_cpu()  # the whole machine (every namespace) over the timed iterations
         busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
         Path(out).write_text(json.dumps({"times": times[warmup:], "busy": busy}))
     finally:
@@ -161,17 +161,17 @@ def run(args: argparse.Namespace, sizes: list[int]) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="redsock-floor-tb-") as tmp, _terminate_as_interrupt():
         logdir = Path(tmp)
-        procs: list[_Proc] = []
+        procs: list[Proc] = []
         try:
             print(f"# testbed {prefix}: {workers} workers + {servers} reducers, links at {format_rate(rate)}; "
-                  f"TCP {_set_congestion_control(tb.up(), args.tcp_cc)}", flush=True)
+                  f"TCP {set_congestion_control(tb.up(), args.tcp_cc)}", flush=True)
             for size in sizes:
                 floor_s, busy = _floor(tb, size, args, logdir, procs)
                 gloo_s = _gloo(tb, size, args, logdir, procs)
                 results.append({**_row(size, workers, servers, rate, floor_s, gloo_s), "floor_cpu_busy": busy})
         finally:
             with _no_interrupts():
-                _stop(procs)
+                stop(procs)
                 tb.down()
     print("# floor: plain sockets, each worker S/M bytes to and from each reducer; no sums, no waiting for other "
           "workers, no flow control; gloo: its all-reduce of S bytes on the same testbed")
@@ -195,7 +195,7 @@ def _row(size: int, workers: int, servers: int, rate: int, floor_s: float, gloo_
 
 
 def _floor(tb: Testbed, size: int, args: argparse.Namespace, logdir: Path,
-           procs: list[_Proc]) -> tuple[float, float]:
+           procs: list[Proc]) -> tuple[float, float]:
     """Median time of the floor's iterations (slowest worker each), and how busy the machine was."""
     nbytes = size // tb.servers
     me = [sys.executable, "-m", "redsock.bench.floor_testbed"]
@@ -205,46 +205,46 @@ def _floor(tb: Testbed, size: int, args: argparse.Namespace, logdir: Path,
         with log.open("w") as err:
             p = tb.popen(name, [*me, "reducer", tb.host_addr(name), str(FLOOR_PORT), str(tb.workers), str(nbytes),
                                 str(args.warmup + args.iters)],
-                         stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env({}), start_new_session=True)
-        reducers.append(_Proc(name, p, log))
+                         stdout=subprocess.PIPE, stderr=err, text=True, env=child_env({}), start_new_session=True)
+        reducers.append(Proc(name, p, log))
     procs.extend(reducers)
     for r in reducers:
         if r.proc.stdout is None or r.proc.stdout.readline().strip() != "ready":
-            raise PeerFailure(f"floor reducer {r.name} did not start: {_tail(r.log)}")
+            raise PeerFailure(f"floor reducer {r.name} did not start: {tail(r.log)}")
     addrs = ",".join(f"{tb.host_addr(s)}:{FLOOR_PORT}" for s in tb.server_names)
     outs, workers = [], []
     for name in tb.worker_names:
         out, log = logdir / f"floor-{name}.json", logdir / f"floor-{name}.log"
         with log.open("w") as err:
             p = tb.popen(name, [*me, "worker", addrs, str(nbytes), str(args.iters), str(args.warmup), str(out)],
-                         stderr=err, env=_child_env({}), start_new_session=True)
-        workers.append(_Proc(name, p, log))
+                         stderr=err, env=child_env({}), start_new_session=True)
+        workers.append(Proc(name, p, log))
         outs.append(out)
     procs.extend(workers)
     # Reducers exit when their iterations are done; a reducer that dies early closes its
     # sockets, and the workers fail on that at once.
-    why = _wait_ranks(workers, [], time.monotonic() + args.timeout, args.timeout)
-    _stop(reducers)
+    why = wait_ranks(workers, [], time.monotonic() + args.timeout, args.timeout)
+    stop(reducers)
     bad = [p for p in workers + reducers if p.proc.returncode != 0]
     if why or bad:
-        raise PeerFailure(f"floor run failed: {why or ''} {_tail(bad[0].log) if bad else ''}".strip())
+        raise PeerFailure(f"floor run failed: {why or ''} {tail(bad[0].log) if bad else ''}".strip())
     per_worker = [json.loads(o.read_text()) for o in outs]
     floor_s = statistics.median(max(w["times"][i] for w in per_worker) for i in range(args.iters))
     return floor_s, per_worker[0]["busy"]
 
 
-def _gloo(tb: Testbed, size: int, args: argparse.Namespace, logdir: Path, procs: list[_Proc]) -> float:
+def _gloo(tb: Testbed, size: int, args: argparse.Namespace, logdir: Path, procs: list[Proc]) -> float:
     out = logdir / f"gloo-{size}.jsonl"
     cmd = [sys.executable, "-m", "redsock", "bench", "allreduce", "-b", str(size), "-e", str(size), "--algo", "gloo",
            "-n", str(args.iters), "-w", str(args.warmup), "--json", str(out), "--no-progress"]
-    ranks, relays = _start_ranks(tb, cmd, logdir, tag=f"-gloo{size}")
+    ranks, relays = start_ranks(tb, cmd, logdir, tag=f"-gloo{size}")
     procs.extend(ranks)
-    why = _wait_ranks(ranks, [], time.monotonic() + args.timeout, args.timeout)
+    why = wait_ranks(ranks, [], time.monotonic() + args.timeout, args.timeout)
     for t in relays:
         t.join(timeout=5)
     rows = report.read_json(out) if out.exists() else []
     if why or not rows:
-        raise PeerFailure(f"gloo run failed: {why or 'no result'} {_tail(ranks[0].log)}".strip())
+        raise PeerFailure(f"gloo run failed: {why or 'no result'} {tail(ranks[0].log)}".strip())
     return rows[0].median_s
 
 

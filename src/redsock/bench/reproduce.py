@@ -47,7 +47,7 @@ from ..config import parse_size
 from ..errors import ConfigError, RedsockError
 from ..testbed.netns import format_rate, parse_rate
 from . import report
-from .allreduce_testbed import GOODPUT_FACTOR
+from .testbed_launch import GOODPUT_FACTOR, tail
 from .procs import stop_processes
 
 __all__ = [
@@ -1051,13 +1051,6 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _tail(path: Path, n: int = 3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:].strip()
-    except OSError:
-        return ""
-
-
 def load_data(step: Step, path: Path) -> list[Any]:
     """Parse a step's JSON Lines: tagged Rows for all-reduce steps, dicts otherwise."""
     if step.section in ("allreduce", "latency", "perflow"):
@@ -1110,8 +1103,8 @@ def run_step(step: Step, results_dir: Path, python: str = sys.executable) -> Ste
         status, why = "failed", "exit 0 but no results written\n"
     result.status = status
     if status != "ok":
-        result.error = why + (_tail(err) or _tail(log) or "(no output)")
-    if not _tail(err):
+        result.error = why + (tail(err) or tail(log) or "(no output)")
+    if not tail(err):
         err.unlink(missing_ok=True)
     if status == "interrupted":
         raise _Interrupted(result)

@@ -82,14 +82,13 @@ from ..errors import ConfigError, RedsockError
 from ..testbed import netns as nx
 from ..testbed.cluster import PairTestbed
 from ..testbed.netns import parse_rate, path_class
+from .testbed_launch import GOODPUT_FACTOR, box_cpu
 from .transport import (
     ACK_TAG, DATA_TAG, PLAN_BYTES, PLAN_TAG, TransportRow, _cases, _human, _many, _PlainConn, open_session,
 )
 
 PROFILES = ("perflow",)
 DEFAULT_RATES = "800mbit,600mbit,400mbit,200mbit"
-#: Payload goodput / configured htb rate (tc counts Ethernet/IP/TCP headers), measured here.
-GOODPUT_FACTOR = 0.956
 #: Acceptance bounds of the issue (full size): dynamic >= 85% of capacity, >= 1.6x static.
 ACCEPT_PCT = 0.85
 ACCEPT_RATIO = 1.6
@@ -193,14 +192,6 @@ class _Sampler:
         return self.samples[-1][0]
 
 
-def _cpu_busy() -> tuple[float, float]:
-    """(busy, total) jiffies of the whole machine, from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [float(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
-    return sum(fields) - idle, sum(fields)
-
-
 def drive_with_stats(conn: Any, cases: list[dict]) -> list[dict]:
     """The protocol of :func:`redsock.bench.transport.drive`, plus per-rep per-stream statistics."""
     plan = json.dumps({"cases": cases}).encode()
@@ -227,13 +218,13 @@ def drive_with_stats(conn: Any, cases: list[dict]) -> list[dict]:
         for _ in range(case["reps"]):
             b0 = list(getattr(conn, "bytes_sent", [0]))
             s0 = list(getattr(conn, "slices_sent", [0]))
-            cpu0, own0 = _cpu_busy(), os.times()
+            cpu0, own0 = box_cpu(), os.times()
             with _Sampler(conn) as sampler:
                 t0 = time.perf_counter()
                 _many(conn, "send", view, case["iters"], DATA_TAG)
                 conn.recv(ack, ACK_TAG)
                 t1 = time.perf_counter()
-            cpu1, own1 = _cpu_busy(), os.times()
+            cpu1, own1 = box_cpu(), os.times()
             if isinstance(conn, _PlainConn):
                 sent, slices, tails = [case["bytes"] * case["iters"]], [0], [0.0]
             else:

@@ -1,0 +1,188 @@
+"""Starting and watching processes in the emulated cluster's hosts, shared by the testbed benchmarks.
+
+Reducers (``redsock serve``) on the reducer hosts, torchrun-style ranks on the
+worker hosts (rank 0's output relayed live), waiting with a deadline that names
+the process that failed, stopping everything; plus the machine-wide CPU counter
+and the hosts' TCP congestion control.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from ..errors import RedsockError
+from ..testbed import netns as nx
+from ..testbed.cluster import Testbed
+
+#: Payload goodput of a shaped testbed link as a share of its configured rate
+#: (tc counts Ethernet/IP/TCP headers; measured on this testbed at a 1500-byte MTU).
+GOODPUT_FACTOR = 0.956
+MASTER_PORT = 29500
+SERVER_PORT = 7700
+SERVER_START_S = 30.0
+
+
+@dataclass
+class Proc:
+    name: str
+    proc: subprocess.Popen[Any]
+    log: Path
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:].strip()
+    except OSError:
+        return ""
+
+
+def proc_status(pid: int) -> dict[str, float]:
+    """Peak RSS (VmHWM, MiB) and CPU seconds so far of a live process, from /proc."""
+    out: dict[str, float] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("VmHWM:", "VmRSS:")):
+                out[line.split(":")[0]] = int(line.split()[1]) / 1024
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        tick = os.sysconf("SC_CLK_TCK")
+        out["cpu_s"] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    except (OSError, IndexError, ValueError):
+        pass
+    return out
+
+
+def box_cpu() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    return sum(vals) - idle, sum(vals)
+
+
+def set_congestion_control(tb: Testbed, name: str | None) -> str:
+    """Set (when ``name``) and read back net.ipv4.tcp_congestion_control of every host namespace."""
+    seen = set()
+    for host in tb.hosts:
+        if name:
+            nx.run(["ip", "netns", "exec", tb.ns(host), "sysctl", "-q", "-w",
+                    f"net.ipv4.tcp_congestion_control={name}"])
+        seen.add(nx.run(["ip", "netns", "exec", tb.ns(host), "sysctl", "-n",
+                         "net.ipv4.tcp_congestion_control"]).stdout.strip())
+    return ",".join(sorted(seen))
+
+
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {**os.environ, **extra}
+    src = str(Path(__file__).resolve().parents[2])  # .../src, so an uninstalled tree works too
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the machine's cores
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def start_servers(tb: Testbed, logdir: Path, deadline: float) -> list[Proc]:
+    servers = []
+    for name in tb.server_names:
+        log = logdir / f"{name}.log"
+        argv = [sys.executable, "-m", "redsock", "serve", "--host", tb.host_addr(name), "--port", str(SERVER_PORT)]
+        with log.open("w") as f:
+            proc = tb.popen(name, argv, stdout=subprocess.PIPE, stderr=f, text=True,
+                            env=child_env({"REDSOCK_BIND_ADDR": tb.host_addr(name)}), start_new_session=True)
+        servers.append(Proc(name, proc, log))
+    for s in servers:  # wait for each "redsock reduction server on ..." line
+        got: dict[str, str] = {}
+
+        def read(p: subprocess.Popen[Any] = s.proc) -> None:
+            got["line"] = p.stdout.readline() if p.stdout else ""
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(max(1.0, min(SERVER_START_S, deadline - time.monotonic())))
+        if not got.get("line", "").startswith("redsock reduction server on"):
+            raise RedsockError(f"reduction server on {s.name} did not start: {got.get('line', '')!r}; "
+                               f"log: {tail(s.log) or '(empty)'}")
+    return servers
+
+
+def _relay(stream: IO[str], sink: IO[str], copy: IO[str]) -> None:
+    for line in stream:
+        sink.write(line)
+        sink.flush()
+        copy.write(line)
+    copy.flush()
+
+
+def start_ranks(tb: Testbed, cmd: list[str], logdir: Path, extra_env: dict[str, str] | None = None,
+                 master_port: int = MASTER_PORT, tag: str = "") -> tuple[list[Proc], list[threading.Thread]]:
+    """Run ``cmd`` once per worker host as a torchrun-style rank (rank r on host w<r>).
+
+    Rank 0's stdout is relayed live to ours and copied to its log; every other
+    output goes to ``logdir/<host><tag>.log``."""
+    servers = ",".join(f"{tb.host_addr(s)}:{SERVER_PORT}" for s in tb.server_names)
+    ranks, relays = [], []
+    world = tb.workers
+    for r, name in enumerate(tb.worker_names):
+        env = {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+               "MASTER_ADDR": tb.host_addr("w0"), "MASTER_PORT": str(master_port),
+               "GLOO_SOCKET_IFNAME": tb.host(name).dev}
+        if servers:
+            env["REDSOCK_SERVERS"] = servers
+        env.update(extra_env or {})
+        log = logdir / f"{name}{tag}.log"
+        if r == 0:  # stdout live to ours (the tables); stderr into its log
+            err = (logdir / f"{name}{tag}.err").open("w")
+            proc = tb.popen(name, cmd, env=child_env(env), stdout=subprocess.PIPE, stderr=err, text=True,
+                            start_new_session=True)
+            err.close()
+            copy = log.open("w")
+            t = threading.Thread(target=_relay, args=(proc.stdout, sys.stdout, copy), daemon=True)
+            t.start()
+            relays.append(t)
+            ranks.append(Proc(name, proc, logdir / f"{name}{tag}.err"))
+        else:
+            with log.open("w") as f:
+                proc = tb.popen(name, cmd, env=child_env(env), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+            ranks.append(Proc(name, proc, log))
+    return ranks, relays
+
+
+def wait_ranks(ranks: list[Proc], servers: list[Proc], deadline: float, timeout: float) -> str | None:
+    """Wait for every rank; return why it stopped early (None when all exited)."""
+    while True:
+        codes = [p.proc.poll() for p in ranks]
+        if all(c is not None for c in codes):
+            return None
+        failed = [p for p, c in zip(ranks, codes) if c not in (None, 0)]
+        if failed:
+            # The others are blocked on the failed peer (or about to report it): give them a
+            # moment to say so, then stop them.
+            end = time.monotonic() + 5.0
+            while time.monotonic() < end and any(p.proc.poll() is None for p in ranks):
+                time.sleep(0.1)
+            return f"rank {ranks.index(failed[0])} ({failed[0].name}) exited with {failed[0].proc.returncode}"
+        dead = [s for s in servers if s.proc.poll() is not None]
+        if dead:
+            return f"reduction server on {dead[0].name} exited with {dead[0].proc.returncode}"
+        if time.monotonic() > deadline:
+            return f"ranks still running after --timeout {timeout:.0f}s"
+        time.sleep(0.1)
+
+
+def stop(procs: list[Proc]) -> None:
+    for p in procs:
+        if p.proc.poll() is None:
+            p.proc.terminate()
+    for p in procs:
+        try:
+            p.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.proc.kill()
+            p.proc.wait(timeout=5)

@@ -569,3 +569,16 @@ def test_property_matches_sequential_reference(case: tuple[np.dtype, list[np.nda
     np.testing.assert_array_equal(np.isnan(got), nan)
     w = f"u{dtype.itemsize}"
     np.testing.assert_array_equal(got.view(w)[~nan], want.view(w)[~nan])
+
+
+def test_finalize_into_a_view_of_the_same_memory_skips_the_copy_but_not_a_shifted_one():
+    from redsock.ops import _same_memory
+
+    buf = np.arange(10, dtype=np.float32)
+    a, b = buf[2:8], buf[2:8]
+    assert a is not b and _same_memory(a, b)
+    assert np.array_equal(ops.finalize(a, "sum", 4, b), np.arange(2, 8, dtype=np.float32))
+    shifted = buf[3:9]  # overlapping, not the same elements: must still copy
+    assert not _same_memory(a, shifted) and not _same_memory(a, buf[2:8].view(np.int32))
+    ops.finalize(a, "sum", 4, shifted)
+    assert np.array_equal(buf, np.array([0, 1, 2, 2, 3, 4, 5, 6, 7, 9], np.float32))

@@ -316,10 +316,16 @@ def finalize(acc: np.ndarray, op: ReduceOp | str, n: int, out: np.ndarray) -> np
         else:
             with np.errstate(over="ignore", invalid="ignore", under="ignore"):
                 np.divide(acc, n, out=out)  # divided in float32/64, then rounded once into out
-    elif out is not acc:
+    elif not _same_memory(out, acc):  # views of the same memory (the ring's in-place sum): nothing to copy
         with np.errstate(over="ignore", invalid="ignore"):  # float32 sums beyond 65504 become inf
             np.copyto(out, acc, casting="same_kind")
     return out
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """True if ``a`` and ``b`` are the very same elements (not merely overlapping)."""
+    return a is b or (a.dtype == b.dtype and a.shape == b.shape and a.strides == b.strides
+                      and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
 
 
 def reduce_arrays(arrays: Sequence[np.ndarray], op: ReduceOp | str = ReduceOp.SUM) -> np.ndarray:

@@ -28,6 +28,9 @@ def connect(address: tuple[str, int], *, config: Config | None = None, name: str
             peer_name: str | None = None, retry_s: float = 0.0) -> Connection:
     """Open a connection (control stream + ``config.nsocks`` data streams) to a Listener.
 
+    A Listener on this same host gets the same-host profile instead (``config.local_nsocks``
+    streams, see :meth:`Config.for_peer`); both ends decide it from the control stream's addresses.
+
     ``retry_s``: keep retrying a refused connection this long (the peer may still be starting).
     Raises :class:`TransportError` (refused, unreachable, timed out) or
     :class:`~redsock.errors.ProtocolError`/:class:`~redsock.errors.AuthError` (handshake refused).

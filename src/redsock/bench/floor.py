@@ -30,6 +30,7 @@ import statistics
 import struct
 import threading
 import time
+from datetime import timedelta
 
 import numpy as np
 
@@ -84,9 +85,7 @@ def _ring_rank(rank: int, world: int, sizes: list[int], warmup: int, iters: int,
     from_prev.settimeout(_IO_TIMEOUT_S)
     srv.close()
     dist = _gloo(rank, world, gloo_port)
-    from datetime import timedelta
-
-    from .. import api
+    from .. import api  # here: the rank processes need it, the CLI parsing does not
 
     store = torch.distributed.TCPStore("127.0.0.1", store_port, world, rank == 0, timedelta(seconds=_CONNECT_S))
     comm = api.init(rank, world, store, algo="ring")

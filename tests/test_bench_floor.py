@@ -70,3 +70,17 @@ def test_testbed_floor_runs_the_pattern_and_gloo_and_cleans_up(tmp_path):
     # bytes per worker cannot cross a 1 Gbit/s link faster than the link
     assert row["floor_s"] >= (2 << 20) / (1e9 / 8)
     assert list_prefix_netns(prefix) == []
+
+
+def test_run_threads_waits_for_all_and_reraises_the_first_error():
+    from redsock.bench.floor import run_threads
+
+    done = []
+
+    def boom():
+        raise OSError("peer gone")
+
+    with pytest.raises(OSError, match="peer gone"):
+        run_threads([boom, lambda: done.append(1), lambda: done.append(2)])
+    assert sorted(done) == [1, 2]
+    run_threads([])  # nothing to run: no error

@@ -63,6 +63,26 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
+def run_threads(targets: list) -> None:
+    """Run the callables in threads; re-raise the first error once all have stopped (every
+    socket here has a timeout, so a thread whose peer failed stops too)."""
+    errors: list[BaseException] = []
+
+    def guarded(fn) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(fn,), daemon=True) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def _gloo(rank: int, world: int, port: int):
     import torch.distributed as dist
 
@@ -103,11 +123,8 @@ def _ring_rank(rank: int, world: int, sizes: list[int], warmup: int, iters: int,
                 send_buf[:] = it & 0xFF
                 dist.barrier()
                 t0 = time.perf_counter()
-                sender = threading.Thread(target=lambda: [to_next.sendall(send_buf) for _ in range(steps)])
-                sender.start()
-                for _ in range(steps):
-                    _recv_exact(from_prev, memoryview(recv_buf))
-                sender.join()
+                run_threads([lambda: [to_next.sendall(send_buf) for _ in range(steps)],
+                             lambda: [_recv_exact(from_prev, memoryview(recv_buf)) for _ in range(steps)]])
                 t_floor = time.perf_counter() - t0
                 if not (recv_buf == (it & 0xFF)).all():  # the bytes really moved
                     raise PeerFailure(f"floor: rank {rank} received wrong bytes in iteration {it}")

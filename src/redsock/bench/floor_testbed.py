@@ -34,6 +34,7 @@ from ..testbed import netns as nx
 from ..testbed.cluster import Testbed
 from ..testbed.netns import format_rate, parse_rate
 from . import report
+from .floor import run_threads
 from .testbed_launch import (GOODPUT_FACTOR, Proc, box_cpu, child_env, set_congestion_control, start_ranks, stop,
                              tail, wait_ranks)
 
@@ -64,25 +65,6 @@ def _send_n(sock: socket.socket, data: memoryview, nbytes: int) -> None:
         left -= n
 
 
-def _run_threads(targets: list) -> None:
-    """Run the callables in threads; re-raise the first error once all have stopped."""
-    errors: list[BaseException] = []
-
-    def guarded(fn) -> None:
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=guarded, args=(fn,), daemon=True) for fn in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-
-
 def reducer_main(host: str, port: int, workers: int, nbytes: int, iters: int) -> None:
     """Echo ``nbytes`` per iteration to each of ``workers`` connections, starting as they arrive."""
     srv = socket.create_server((host, port))
@@ -111,7 +93,7 @@ def reducer_main(host: str, port: int, workers: int, nbytes: int, iters: int) ->
                     _send_n(c, data, nbytes)
 
             jobs += [rx, tx]
-        _run_threads(jobs)
+        run_threads(jobs)
     finally:
         srv.close()
         for c in conns:
@@ -136,7 +118,7 @@ def worker_main(servers: list[str], nbytes: int, iters: int, warmup: int, out: s
             for c in conns:
                 jobs.append(lambda c=c: _send_n(c, data, nbytes))
                 jobs.append(lambda c=c: _recv_exact(c, memoryview(bytearray(_BUF)), nbytes))
-            _run_threads(jobs)
+            run_threads(jobs)
             times.append(time.perf_counter() - t0)
         cpu1 = box_cpu()  # the whole machine (every namespace) over the timed iterations
         busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])

@@ -565,12 +565,21 @@ def _section_rows(results: Sequence[StepResult], section: str) -> list[StepResul
     return [r for r in results if r.step.section == section]
 
 
+def _data(results: Sequence[StepResult], *sections: str) -> list[Any]:
+    """The raw rows of ``results`` (only those of ``sections``, when given), in step order."""
+    return [x for r in results if not sections or r.step.section in sections for x in r.data]
+
+
 def headline(results: Sequence[StepResult]) -> list[tuple[str, str, str]]:
     """(claim, measured here, bound or ideal) for the summary table; failed steps listed last."""
     out: list[tuple[str, str, str]] = []
-    for part in (_headline_transport, _headline_allreduce, _headline_latency, _headline_ddp):
+    for sections, part in ((("transport",), _headline_transport), (("allreduce", "perflow"), _headline_allreduce),
+                           (("latency",), _headline_latency), (("ddp",), _headline_ddp)):
+        rows = _data(results, *sections)
+        if not rows:
+            continue
         try:
-            out += part(results)
+            out += part(rows)
         except (ConfigError, KeyError, TypeError, ValueError) as e:  # the section says more
             out.append((part.__name__.removeprefix("_headline_"), f"unreadable results: {e}", "-"))
     for r in results:
@@ -579,72 +588,64 @@ def headline(results: Sequence[StepResult]) -> list[tuple[str, str, str]]:
     return out
 
 
-def _headline_transport(results: Sequence[StepResult]) -> list[tuple[str, str, str]]:
+def _headline_transport(rows: list[Any]) -> list[tuple[str, str, str]]:
     out = []
-    tr = [x for r in _section_rows(results, "transport") for x in r.data]
-    if tr:
-        pts = transport_points(tr)
-        dyn = [p for p in pts if p.over_static is not None or p.over_one_socket is not None]
-        if dyn:
-            p = max(dyn, key=lambda p: (p.bytes, -p.nsocks))
-            out.append(("Fast Socket: 60%+ more bandwidth (per-flow imbalance)",
-                        (f"{report.human_size(p.bytes)}: {p.gbps:.2f} Gbit/s = {100 * p.of_bound:.0f}% of bound; "
-                         f"{_r(p.over_one_socket)} one socket, {_r(p.over_static)} static split"),
-                        f"{p.bound_gbps:.2f} Gbit/s (classes' goodput)"))
+    pts = transport_points(rows)
+    dyn = [p for p in pts if p.over_static is not None or p.over_one_socket is not None]
+    if dyn:
+        p = max(dyn, key=lambda p: (p.bytes, -p.nsocks))
+        out.append(("Fast Socket: 60%+ more bandwidth (per-flow imbalance)",
+                    (f"{report.human_size(p.bytes)}: {p.gbps:.2f} Gbit/s = {100 * p.of_bound:.0f}% of bound; "
+                     f"{_r(p.over_one_socket)} one socket, {_r(p.over_static)} static split"),
+                    f"{p.bound_gbps:.2f} Gbit/s (classes' goodput)"))
     return out
 
 
-def _headline_allreduce(results: Sequence[StepResult]) -> list[tuple[str, str, str]]:
+def _headline_allreduce(rows: list[Any]) -> list[tuple[str, str, str]]:
     out = []
-    ar = [x for r in results if r.step.section in ("allreduce", "perflow") for x in r.data]
-    if ar:
-        for (profile, n), pts in allreduce_points(ar).items():
-            top = max(p.row.bytes for p in pts)
-            big = {p.series: p for p in pts if p.row.bytes == top}
-            where = f"N={n}, {report.human_size(top)}" + (", per-flow links" if profile == "perflow" else "")
-            ring = big.get("ring")
-            if ring and ring.over_one_socket is not None:
-                out.append((f"Fast Socket ring vs 1 socket ({where})",
-                            f"{_r(ring.over_one_socket)}; ring at {100 * ring.of_bound:.0f}% of its bound",
-                            "1.00x on uniform links (one flow fills a link)" if profile == "uniform"
-                            else "sum of the classes hit / the slowest class"))
-            srv = big.get("server")
-            if srv:
-                out.append((f"Reducers vs gloo algbw ({where})",
-                            f"{_r(srv.over_gloo)}; reducers at {100 * srv.of_bound:.0f}% of link goodput",
-                            f"ideal {_r(srv.ideal_over_gloo)} = 2(N-1)/N"))
+    for (profile, n), pts in allreduce_points(rows).items():
+        top = max(p.row.bytes for p in pts)
+        big = {p.series: p for p in pts if p.row.bytes == top}
+        where = f"N={n}, {report.human_size(top)}" + (", per-flow links" if profile == "perflow" else "")
+        ring = big.get("ring")
+        if ring and ring.over_one_socket is not None:
+            out.append((f"Fast Socket ring vs 1 socket ({where})",
+                        f"{_r(ring.over_one_socket)}; ring at {100 * ring.of_bound:.0f}% of its bound",
+                        "1.00x on uniform links (one flow fills a link)" if profile == "uniform"
+                        else "sum of the classes hit / the slowest class"))
+        srv = big.get("server")
+        if srv:
+            out.append((f"Reducers vs gloo algbw ({where})",
+                        f"{_r(srv.over_gloo)}; reducers at {100 * srv.of_bound:.0f}% of link goodput",
+                        f"ideal {_r(srv.ideal_over_gloo)} = 2(N-1)/N"))
     return out
 
 
-def _headline_latency(results: Sequence[StepResult]) -> list[tuple[str, str, str]]:
+def _headline_latency(rows: list[Any]) -> list[tuple[str, str, str]]:
     out = []
-    lat = [x for r in _section_rows(results, "latency") for x in r.data]
-    if lat:
-        m = latency_matrix(lat)
-        ns = sorted({n for by in m.values() for n in by})
-        small = min(b for b, _ in m)
-        for series in ("ring", "server", "auto", "gloo"):
-            by = m.get((small, series))
-            if by and len(ns) > 1:
-                times = ", ".join(f"N={n}: {_us(by[n].median_s)} µs" for n in ns if n in by)
-                model = latency_growth_model(series, ns[0], ns[-1])
-                out.append((f"{report.human_size(small)} all-reduce latency vs N, {SERIES_LABELS[series]}", times,
-                            {"ring": "O(N): 2(N-1) steps", "server": "O(1): 2 hops",
-                             "auto": "O(log N)"}.get(series, "-")
-                            + (f" (x{model:.2f} from N={ns[0]} to N={ns[-1]})" if model else "")))
+    m = latency_matrix(rows)
+    ns = sorted({n for by in m.values() for n in by})
+    small = min(b for b, _ in m)
+    for series in ("ring", "server", "auto", "gloo"):
+        by = m.get((small, series))
+        if by and len(ns) > 1:
+            times = ", ".join(f"N={n}: {_us(by[n].median_s)} µs" for n in ns if n in by)
+            model = latency_growth_model(series, ns[0], ns[-1])
+            out.append((f"{report.human_size(small)} all-reduce latency vs N, {SERIES_LABELS[series]}", times,
+                        {"ring": "O(N): 2(N-1) steps", "server": "O(1): 2 hops",
+                         "auto": "O(log N)"}.get(series, "-")
+                        + (f" (x{model:.2f} from N={ns[0]} to N={ns[-1]})" if model else "")))
     return out
 
 
-def _headline_ddp(results: Sequence[StepResult]) -> list[tuple[str, str, str]]:
+def _headline_ddp(rows: list[Any]) -> list[tuple[str, str, str]]:
     out = []
-    dd = [x for r in _section_rows(results, "ddp") for x in r.data]
-    if dd:
-        for p in ddp_points(dd):
-            if p["algo"] != "gloo":
-                who = "reducers" if p["algo"] == "server" else "redsock ring"
-                out.append((f"DDP training speed-up, {who} vs gloo (N={p['workers']})",
-                            (f"{_r(p['over_gloo'])} steps/s; cost per step {_r(p['cost_over_gloo'])} gloo's "
-                             f"({p['hosts']} hosts)"), f"ideal {_r(p['ideal_over_gloo'])} if communication-bound"))
+    for p in ddp_points(rows):
+        if p["algo"] != "gloo":
+            who = "reducers" if p["algo"] == "server" else "redsock ring"
+            out.append((f"DDP training speed-up, {who} vs gloo (N={p['workers']})",
+                        (f"{_r(p['over_gloo'])} steps/s; cost per step {_r(p['cost_over_gloo'])} gloo's "
+                         f"({p['hosts']} hosts)"), f"ideal {_r(p['ideal_over_gloo'])} if communication-bound"))
     return out
 
 
@@ -764,7 +765,7 @@ def _figure(info: RunInfo, section: str, alt: str) -> list[str]:
 
 
 def _transport_body(info: RunInfo, results: Sequence[StepResult]) -> list[str]:
-    rows = [x for r in results for x in r.data]
+    rows = _data(results)
     pts = transport_points(rows)
     rates = ", ".join(format_rate(x) for x in rows[0]["extra"]["rates"])
     return [(f"Two namespaces, one link whose egress has path classes of {rates} picked by source-port bits "
@@ -776,7 +777,7 @@ def _transport_body(info: RunInfo, results: Sequence[StepResult]) -> list[str]:
 
 
 def _allreduce_body(info: RunInfo, results: Sequence[StepResult], note: str = "") -> list[str]:
-    rows = [x for r in results for x in r.data]
+    rows = _data(results)
     out = [note or (
         "nccl-tests figures (float32 sum): algbw = bytes / time, busbw = algbw x 2(N-1)/N for every series. "
         "Bound on algbw: link goodput / (2(N-1)/N) for a ring (gloo's included: each worker sends "
@@ -801,7 +802,7 @@ def _allreduce_body(info: RunInfo, results: Sequence[StepResult], note: str = ""
 
 
 def _latency_body(info: RunInfo, results: Sequence[StepResult]) -> list[str]:
-    rows = [x for r in results for x in r.data]
+    rows = _data(results)
     return [("Median time of one all-reduce (float32 sum) against N. A latency-bound ring takes 2(N-1) steps, "
              "recursive doubling (`auto` below 64 KiB) log2 N, the reducers 2 hops whatever N. "
              "`model` is the growth from the smallest to the largest N such an algorithm would show. All "
@@ -818,7 +819,7 @@ def _perflow_body(info: RunInfo, results: Sequence[StepResult]) -> list[str]:
 
 
 def _ddp_body(info: RunInfo, results: Sequence[StepResult]) -> list[str]:
-    rows = [x for r in results for x in r.data]
+    rows = _data(results)
     return [("`examples/train_lm.py` under DDP, the same script for every backend. Cost per step = hosts x "
              "seconds per step, reducer hosts counted as full hosts (on a real cluster they are cheaper CPU "
              "machines). `comm-bound steps/s`: the steps/s if a step were only its gradient all-reduce at link "
@@ -963,23 +964,21 @@ def plot_ddp(points: Sequence[dict[str, Any]], path: Path) -> Path:
 
 def write_figures(info: RunInfo, results: Sequence[StepResult], results_dir: Path) -> None:
     """One PNG per section that has data; a plot that fails is noted, not fatal."""
-    def data(*sections: str) -> list[Any]:
-        return [x for r in results if r.step.section in sections for x in r.data]
-
+    transport, uniform, latency, perflow, ddp = (_data(results, sec) for sec in
+                                                 ("transport", "allreduce", "latency", "perflow", "ddp"))
     jobs: list[tuple[str, str, Callable[[Path], Path]]] = []
-    if data("transport"):
-        jobs.append(("transport", "transport.png", lambda p: plot_transport(transport_points(data("transport")), p)))
-    uniform = data("allreduce")
+    if transport:
+        jobs.append(("transport", "transport.png", lambda p: plot_transport(transport_points(transport), p)))
     if uniform:
         jobs.append(("allreduce", "allreduce.png", lambda p: plot_allreduce(
             allreduce_points(uniform), p, "all-reduce algbw against the link bounds (uniform links)")))
-    if data("latency"):
-        jobs.append(("latency", "latency.png", lambda p: plot_latency(data("latency"), p)))
-    if data("perflow"):
+    if latency:
+        jobs.append(("latency", "latency.png", lambda p: plot_latency(latency, p)))
+    if perflow:
         jobs.append(("perflow", "allreduce-perflow.png", lambda p: plot_allreduce(
-            allreduce_points(data("perflow")), p, "all-reduce under per-flow imbalance")))
-    if data("ddp"):
-        jobs.append(("ddp", "ddp.png", lambda p: plot_ddp(ddp_points(data("ddp")), p)))
+            allreduce_points(perflow), p, "all-reduce under per-flow imbalance")))
+    if ddp:
+        jobs.append(("ddp", "ddp.png", lambda p: plot_ddp(ddp_points(ddp), p)))
     for section, name, fn in jobs:
         try:
             fn(results_dir / name)

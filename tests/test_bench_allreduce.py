@@ -26,6 +26,18 @@ def test_references_in_blocks_equal_the_whole(dtype, op):
         assert np.array_equal(allreduce.reference(n, dtype, op, 3, 1, lo), whole_ref[lo:lo + n])
 
 
+@pytest.mark.parametrize("dtype", [np.float16, ops.bfloat16, np.float32, np.int8, np.uint8, np.int64])
+@pytest.mark.parametrize("op", ["sum", "avg", "prod", "min", "max"])
+def test_timing_inputs_stay_put_under_repeated_reductions(dtype, op):
+    """The timed calls reduce one buffer in place hundreds of times: its values must not grow."""
+    dtype, op, world = np.dtype(dtype), ops.ReduceOp.parse(op), 4
+    xs = [allreduce.timing_input(1000, dtype, op, r) for r in range(world)]
+    for _ in range(3):
+        ref = allreduce.reference_of([x.astype(np.float64) for x in xs], op, dtype)
+        xs = [ref.astype(dtype) for _ in range(world)]
+    assert np.all(np.isfinite(ref)) and np.array_equal(ref, xs[0].astype(np.float64))
+
+
 def test_exit_reasons_name_the_signal():
     assert allreduce._exit_reason(3) == "exited with status 3"
     assert "SIGKILL" in allreduce._exit_reason(-signal.SIGKILL) and "out of memory" in allreduce._exit_reason(-9)

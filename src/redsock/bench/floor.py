@@ -129,6 +129,7 @@ def _ring_rank(rank: int, world: int, sizes: list[int], warmup: int, iters: int,
                 if not (recv_buf == (it & 0xFF)).all():  # the bytes really moved
                     raise PeerFailure(f"floor: rank {rank} received wrong bytes in iteration {it}")
                 checked += 1
+                tensor.fill_(1)  # as ours below: repeated sums would grow to inf
                 dist.barrier()
                 t0 = time.perf_counter()
                 dist.all_reduce(tensor)

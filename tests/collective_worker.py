@@ -190,7 +190,9 @@ def server_loop(comm, rank, world):
 
 
 def server_fallback(comm, rank, world):
-    """Keep all-reducing while the test kills a reducer (and restarts it): every result correct."""
+    """Keep all-reducing while the test kills a reducer (and restarts it): every result correct.
+    Says it is looping with TEST_STOP_FILE.looping; stops once the test creates TEST_STOP_FILE
+    (or after TEST_SECONDS)."""
     n = 1 << 20
     print("looping", flush=True)
     t0 = time.monotonic()
@@ -200,9 +202,12 @@ def server_fallback(comm, rank, world):
         x = np.full(n, rank + i, np.float32)
         comm.all_reduce(x, algorithm="server")
         assert np.all(x == sum(r + i for r in range(world))), i
+        if i == 0 and rank == 0 and "TEST_STOP_FILE" in os.environ:
+            open(os.environ["TEST_STOP_FILE"] + ".looping", "w").close()  # the test may kill a reducer now
         i += 1
-        # Rank 0's clock decides when to stop, so every rank runs the same number of calls.
-        stop[0] = rank == 0 and time.monotonic() - t0 > float(os.environ.get("TEST_SECONDS", "12"))
+        # Rank 0 decides when to stop, so every rank runs the same number of calls.
+        stop[0] = rank == 0 and (os.path.exists(os.environ.get("TEST_STOP_FILE", "/nonexistent"))
+                                 or time.monotonic() - t0 > float(os.environ.get("TEST_SECONDS", "12")))
         comm.all_reduce(stop, "max")
     print(f"done {i} all-reduces", flush=True)
 

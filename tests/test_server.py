@@ -33,6 +33,12 @@ def start_reducer(env=None, port=0, log=None):
     return proc, f"{m.group(1)}:{m.group(2)}"
 
 
+def _log_text(proc) -> str:
+    """What a reducer has logged so far (pread: the daemon shares the file offset)."""
+    fd = proc.log.fileno()
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
+
 @pytest.fixture
 def reducers():
     procs = []
@@ -138,33 +144,48 @@ def test_killed_reducer_makes_workers_raise(reducers):
         assert "raised PeerFailure" in out and "reduction server" in out, out
 
 
-def test_fallback_to_ring_when_a_reducer_dies_and_reuse_after_restart(reducers, caplog):
+def test_fallback_to_ring_when_a_reducer_dies_and_reuse_after_restart(reducers, tmp_path):
     (victim, _), servers = reducers(2)
     port = servers.split(",")[0].rsplit(":", 1)[1]
+    stop_file = tmp_path / "stop"
+    # The workers loop until the restarted reducer has served them (the stop file), not for a
+    # fixed time: on a loaded machine a restart can take longer than any fixed window.
     env = {"REDSOCK_SERVERS": servers, "REDSOCK_SERVER_FALLBACK": "ring", "TEST_TIMEOUT_S": "10",
-           "TEST_SECONDS": "12", "REDSOCK_PIECE_BYTES": "256K"}
-    restarted = []
+           "TEST_SECONDS": "75", "TEST_STOP_FILE": str(stop_file), "REDSOCK_PIECE_BYTES": "256K"}
+    restarted, problems = [], []
 
-    def kill_then_restart():
-        victim.kill()
-        victim.wait()
-        time.sleep(3)
-        restarted.append(start_reducer(port=port)[0])
+    def kill_restart_then_stop():
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not (tmp_path / "stop.looping").exists():
+                time.sleep(0.1)  # kill mid-loop, however long the workers took to start
+            victim.kill()
+            victim.wait()
+            time.sleep(3)
+            restarted.append(start_reducer(port=port)[0])
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and "joined" not in _log_text(restarted[0]):
+                time.sleep(0.2)
+            time.sleep(1)  # a few more calls through it
+        except Exception as e:  # reported by the assertions below, not lost in this thread
+            problems.append(repr(e))
+        finally:
+            stop_file.touch()
 
-    timer = threading.Timer(3.0, kill_then_restart)
+    timer = threading.Timer(0.5, kill_restart_then_stop)
     timer.start()
     try:
-        outs = run_world("server_fallback", 3, timeout=90, env=env)
+        outs = run_world("server_fallback", 3, timeout=120, env=env)
     finally:
         timer.cancel()
+        timer.join(timeout=90)
         logs = []
         for p in restarted:
             p.send_signal(signal.SIGTERM)
             p.wait(timeout=10)
-            p.log.seek(0)
-            logs.append(p.log.read())
+            logs.append(_log_text(p))
     for r, (code, out, err) in enumerate(outs):
         assert code == 0 and "done" in out, f"rank {r}:\n{err[-3000:]}"
         assert "finishing it by ring" in err, f"rank {r} never fell back to ring:\n{err[-3000:]}"  # warned, went on
-    assert restarted, "the reducer was never restarted"
+    assert not problems and restarted, f"the reducer was not restarted: {problems}"
     assert "joined" in logs[0], logs  # the workers came back to the restarted reducer

@@ -66,6 +66,56 @@ def test_unexpected_messages_are_delivered_in_order(make_pair):
         assert np.array_equal(out, m)
 
 
+@pytest.mark.parametrize("posted", [False, True])
+def test_small_messages_back_to_back_straddle_reads(make_pair, posted):
+    """Inline messages of many sizes sent back to back: a read of the control stream holds
+    several records, and cuts headers and payloads at every position."""
+    client, server = make_pair()
+    # The first record ends 10 bytes before the first 4096-byte read does: the next header is cut.
+    sizes = [4096 - 10 - wire.CTRL_SIZE] + [0, 1, 7, 23, 24, 25, 100, 4047, 4048, 4049, 4072, 4096, 5000, 65536] * 3
+    msgs = [pattern(n, i) for i, n in enumerate(sizes)]
+    outs = [np.zeros_like(m) for m in msgs]
+    handles = [server.irecv(o, tag=3 + i % 2) for i, o in enumerate(outs)] if posted else []
+    sends = [client.isend(m, tag=3 + i % 2) for i, m in enumerate(msgs)]
+    if posted:
+        for h in reversed(handles):  # the last waiter reads the records of all the others
+            h.wait(20)
+    else:
+        time.sleep(0.3)  # everything lands unexpected, several records per read
+        for i, o in enumerate(outs):
+            server.recv(o, tag=3 + i % 2, timeout=10)
+    for h in sends:
+        h.wait(20)
+    for i, (o, m) in enumerate(zip(outs, msgs)):
+        assert np.array_equal(o, m), f"message {i} ({sizes[i]} bytes)"
+
+
+def test_control_records_arriving_a_few_bytes_at_a_time(make_pair):
+    """A control record cut into tiny writes: a header in pieces, a payload in pieces."""
+    client, server = make_pair()
+    msgs = [pattern(n, i) for i, n in enumerate([5, 0, 300, 24] + [random.Random(i).randint(0, 40) for i in range(60)])]
+    raw = b"".join(wire.encode_inline(11, seq, m.nbytes) + m.tobytes() for seq, m in enumerate(msgs))
+    outs = [np.zeros_like(m) for m in msgs]
+    handles = [server.irecv(o, tag=11) for o in outs]
+
+    def dribble():
+        rng = random.Random(5)
+        i = 0
+        while i < len(raw):
+            n = rng.randint(1, 7)
+            client._ctrl.sendall(raw[i:i + n])  # the test speaks the wire format itself
+            i += n
+            time.sleep(0.001)
+
+    t = threading.Thread(target=dribble)
+    t.start()
+    for h in handles:
+        h.wait(20)
+    t.join()
+    for o, m in zip(outs, msgs):
+        assert np.array_equal(o, m)
+
+
 def test_receive_posted_mid_message_shows_progress(make_pair):
     """A receive posted while its message is landing unexpected reports the bytes so far
     (its no-progress deadline watches them: a long message must not look stalled)."""

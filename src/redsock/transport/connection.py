@@ -39,8 +39,9 @@ from .sockets import advance_parts, recv_exact, send_all, shutdown_quietly, tran
 
 log = logging.getLogger("redsock.transport")
 
-_PROGRESS_CHECK_S = 1.0
-_EVENT_LOCK = threading.Lock()  # how often a blocked waiter looks for progress on a large message
+_PROGRESS_CHECK_S = 1.0  # how often a blocked waiter looks for progress on a large message
+_EVENT_LOCK = threading.Lock()
+CTRL_STAGE_BYTES = 4096  # one control-stream read brings a whole small record, often several
 
 
 def as_bytes(buf: Any, *, writable: bool) -> memoryview:
@@ -164,8 +165,8 @@ class Connection:
         self._streams_ended = 0
         # Control stream, receive side: read by whichever waiter holds the lock.
         self._ctrl_rx_lock = threading.Lock()
-        self._crx_hdr = bytearray(wire.CTRL_SIZE)
-        self._crx_filled = 0
+        self._crx_stage = bytearray(CTRL_STAGE_BYTES)
+        self._crx_lo = self._crx_hi = 0  # staged bytes not yet parsed
         self._crx_target: memoryview | None = None
         self._crx_tfilled = 0
         self._crx_owner: Handle | _Unexpected | None = None
@@ -452,7 +453,7 @@ class Connection:
                 continue
             try:
                 while not h._done:
-                    if self._pump_ctrl():
+                    if self._pump_ctrl(until=h):
                         spin_until = time.perf_counter() + self._spin_s
                         continue
                     if time.perf_counter() < spin_until:
@@ -515,41 +516,62 @@ class Connection:
         except OSError as e:
             self._io_failed(e, "send")
 
-    def _pump_ctrl(self) -> bool:
-        """Read whatever the control stream has, without blocking.  Caller holds the rx lock."""
-        sock = self._ctrl
+    def _pump_ctrl(self, until: Handle | None = None) -> bool:
+        """Read whatever the control stream has, without blocking; True if anything moved.
+        With ``until``: return as soon as it is complete and nothing read is left unparsed
+        (the waiter needs no extra read just to learn the socket is empty).  Caller holds
+        the rx lock.
+
+        Reads go through a small staging buffer, so one ``recv`` usually brings a whole
+        small record (header and payload); payloads larger than what is staged continue
+        straight into their buffer."""
+        sock, stage = self._ctrl, self._crx_stage
         progressed = False
         while True:
-            if self._crx_target is None:
-                want = wire.CTRL_SIZE - self._crx_filled
-                try:
-                    n = sock.recv_into(memoryview(self._crx_hdr)[self._crx_filled:], want, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    return progressed
-                if n == 0:
-                    raise EOFError("peer closed the control stream")
-                progressed = True
-                self._crx_filled += n
-                if n < want:
+            target = self._crx_target
+            if target is None:
+                lo, hi = self._crx_lo, self._crx_hi
+                if hi - lo >= wire.CTRL_SIZE:
+                    self._crx_lo = lo + wire.CTRL_SIZE
+                    progressed = True
+                    self._start_ctrl_record(memoryview(stage)[lo:lo + wire.CTRL_SIZE])
                     continue
-                self._crx_filled = 0
-                self._start_ctrl_record()
-            else:
-                target = self._crx_target
-                want = len(target) - self._crx_tfilled
+                if until is not None and until._done and lo == hi:
+                    return True
+                if lo:  # keep a partial header at the front
+                    stage[:hi - lo] = stage[lo:hi]
+                    self._crx_lo, self._crx_hi = 0, hi - lo
                 try:
-                    n = sock.recv_into(target[self._crx_tfilled:], want, socket.MSG_DONTWAIT)
+                    n = sock.recv_into(memoryview(stage)[self._crx_hi:], len(stage) - self._crx_hi,
+                                       socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     return progressed
                 if n == 0:
                     raise EOFError("peer closed the control stream")
+                self._crx_hi += n
                 progressed = True
-                self._crx_tfilled += n
+            else:
+                filled = self._crx_tfilled
+                want = len(target) - filled
+                staged = self._crx_hi - self._crx_lo
+                if staged:
+                    n = min(want, staged)
+                    target[filled:filled + n] = memoryview(stage)[self._crx_lo:self._crx_lo + n]
+                    self._crx_lo += n
+                else:
+                    try:
+                        n = sock.recv_into(target[filled:], want, socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        return progressed
+                    if n == 0:
+                        raise EOFError("peer closed the control stream")
+                progressed = True
+                self._crx_tfilled = filled + n
                 if n == want:
                     self._finish_ctrl_record()
 
-    def _start_ctrl_record(self) -> None:
-        rec = wire.decode_ctrl(self._crx_hdr, max(self.inline_bytes, 0))
+    def _start_ctrl_record(self, header: memoryview) -> None:
+        rec = wire.decode_ctrl(header, max(self.inline_bytes, 0))
         self._crx_abort = rec.type == wire.RecordType.ABORT
         if self._crx_abort:
             self._crx_owner = None

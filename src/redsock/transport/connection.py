@@ -44,6 +44,17 @@ _EVENT_LOCK = threading.Lock()
 CTRL_STAGE_BYTES = 4096  # one control-stream read brings a whole small record, often several
 
 
+def _read_available(sock: socket.socket, view: memoryview) -> int | None:
+    """Read what ``sock`` has, up to ``len(view)`` bytes, without blocking: None if nothing."""
+    try:
+        n = sock.recv_into(view, len(view), socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    if n == 0:
+        raise EOFError("peer closed the control stream")
+    return n
+
+
 def as_bytes(buf: Any, *, writable: bool) -> memoryview:
     """A flat byte view of ``buf`` without copying; refuses what cannot be sent in place."""
     if isinstance(buf, np.ndarray):
@@ -541,13 +552,9 @@ class Connection:
                 if lo:  # keep a partial header at the front
                     stage[:hi - lo] = stage[lo:hi]
                     self._crx_lo, self._crx_hi = 0, hi - lo
-                try:
-                    n = sock.recv_into(memoryview(stage)[self._crx_hi:], len(stage) - self._crx_hi,
-                                       socket.MSG_DONTWAIT)
-                except BlockingIOError:
+                n = _read_available(sock, memoryview(stage)[self._crx_hi:])
+                if n is None:
                     return progressed
-                if n == 0:
-                    raise EOFError("peer closed the control stream")
                 self._crx_hi += n
                 progressed = True
             else:
@@ -559,12 +566,9 @@ class Connection:
                     target[filled:filled + n] = memoryview(stage)[self._crx_lo:self._crx_lo + n]
                     self._crx_lo += n
                 else:
-                    try:
-                        n = sock.recv_into(target[filled:], want, socket.MSG_DONTWAIT)
-                    except BlockingIOError:
+                    n = _read_available(sock, target[filled:])
+                    if n is None:
                         return progressed
-                    if n == 0:
-                        raise EOFError("peer closed the control stream")
                 progressed = True
                 self._crx_tfilled = filled + n
                 if n == want:

@@ -39,6 +39,13 @@ def _log_text(proc) -> str:
     return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
 
+def _wait_until(condition, timeout_s: float, every_s: float = 0.1) -> None:
+    """Poll ``condition`` until it holds or ``timeout_s`` passes (the caller's assertions judge)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(every_s)
+
+
 @pytest.fixture
 def reducers():
     procs = []
@@ -156,16 +163,12 @@ def test_fallback_to_ring_when_a_reducer_dies_and_reuse_after_restart(reducers, 
 
     def kill_restart_then_stop():
         try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not (tmp_path / "stop.looping").exists():
-                time.sleep(0.1)  # kill mid-loop, however long the workers took to start
+            _wait_until(lambda: (tmp_path / "stop.looping").exists(), 60)  # kill mid-loop, however slow the start
             victim.kill()
             victim.wait()
             time.sleep(3)
             restarted.append(start_reducer(port=port)[0])
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and "joined" not in _log_text(restarted[0]):
-                time.sleep(0.2)
+            _wait_until(lambda: "joined" in _log_text(restarted[0]), 60)
             time.sleep(1)  # a few more calls through it
         except Exception as e:  # reported by the assertions below, not lost in this thread
             problems.append(repr(e))

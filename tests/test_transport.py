@@ -356,6 +356,55 @@ def test_last_message_before_close_is_delivered(nbytes):
             assert np.array_equal(out, data), f"session {i}"
 
 
+def test_send_completes_when_the_peer_closes_right_after_receiving(make_pair):
+    """The peer takes the whole message and closes before this side's stream thread has
+    recorded the slice as sent (a descheduled thread on a busy machine): the bytes were
+    delivered, so the send succeeded and must say so, not "closed the connection"."""
+    client, server = make_pair(nsocks=2, chunk_bytes=256 * 1024)
+    recorded = client._slice_written
+
+    def late(*args):  # widen the window between the write returning and its bookkeeping
+        time.sleep(0.3)
+        recorded(*args)
+
+    client._slice_written = late
+    data = pattern(1 << 20, 7)
+    out = np.empty_like(data)
+    h = client.isend(data, 3)
+    server.recv(out, 3, timeout=10)
+    server.close()
+    h.wait(10)
+    assert np.array_equal(out, data)
+    with pytest.raises(TransportError, match="closed the connection"):  # and the close is seen after it
+        client.recv(np.empty(8, np.uint8), 4, timeout=10)
+
+
+def test_backlogged_control_sends_complete_when_the_peer_closes_right_after(make_pair, monkeypatch):
+    """Small messages that met a full control-stream buffer are finished by a helper thread;
+    the peer reads them all and closes at once: they were delivered, so they succeeded."""
+    from redsock.transport import connection
+
+    client, server = make_pair()
+    written = connection.send_all
+
+    def late(sock, parts):
+        written(sock, parts)
+        if sock is client._ctrl:
+            time.sleep(0.05)
+
+    monkeypatch.setattr(connection, "send_all", late)
+    msgs = [pattern(60 * 1024, i) for i in range(200)]  # 12 MB: more than a loopback socket buffers
+    handles = [client.isend(m, 5) for m in msgs]
+    assert client._ctrl_tx_thread is not None, "the control stream never filled up"
+    out = np.empty(60 * 1024, np.uint8)
+    for i, m in enumerate(msgs):
+        server.recv(out, 5, timeout=10)
+        assert np.array_equal(out, m), f"message {i}"
+    server.close()
+    for h in handles:
+        h.wait(10)
+
+
 # ------------------------------------------------------------------ same-host profile
 
 class _Ends:

@@ -169,7 +169,7 @@ class Connection:
         self._rx_seq: defaultdict[int, int] = defaultdict(int)
         self._posted: dict[tuple[int, int], Handle] = {}
         self._unexpected: dict[tuple[int, int], _Unexpected] = {}
-        self._sends: set[Handle] = set()  # large sends not yet complete
+        self._sends: dict[Handle, SendJob] = {}  # large sends not yet complete
         self._schedule = make_schedule(config.balance, len(data), config.chunk_bytes)
         self._error: RedsockError | None = None
         self._closed = False
@@ -190,6 +190,7 @@ class Connection:
         self._ctrl_tx_lock = threading.Lock()
         self._ctrl_tx_cv = threading.Condition(self._ctrl_tx_lock)
         self._ctrl_backlog: deque[tuple[Handle | None, list]] = deque()
+        self._ctrl_writing: Handle | None = None  # the backlog's head while its write is under way
         self._ctrl_tx_thread: threading.Thread | None = None
         # Stats, for benchmarks and tests: slices and bytes sent per data stream.
         self.slices_sent = [0] * len(data)
@@ -219,8 +220,9 @@ class Connection:
             self._tx_seq[tag] = seq + 1
             if n > self.inline_bytes:
                 h = Handle(self, "send", tag, seq, view, inline=False, check=check)
-                self._sends.add(h)
-                self._schedule.add(SendJob(tag, seq, view, h, check=check))
+                job = SendJob(tag, seq, view, h, check=check)
+                self._sends[h] = job
+                self._schedule.add(job)
                 self._send_cv.notify_all()
                 return h
         h = Handle(self, "send", tag, seq, view, inline=True, check=check)
@@ -325,15 +327,18 @@ class Connection:
             if self._error is not None:
                 return
             self._error = err
-            pending = [*self._posted.values(), *self._sends,
+            # A send whose slice is being written is left to its stream thread: if the write
+            # went through (the peer may have read it all and closed), the send succeeded.
+            writing = {h: job for h, job in self._sends.items() if job.writing}
+            pending = [*self._posted.values(), *(h for h in self._sends if h not in writing),
                        *(u.waiter for u in self._unexpected.values() if u.waiter)]
             self._posted.clear()
-            self._sends.clear()
+            self._sends = writing
             self._unexpected.clear()
             self._schedule.drain()
             self._send_cv.notify_all()
         with self._ctrl_tx_cv:
-            pending += [h for h, _ in self._ctrl_backlog if h is not None]
+            pending += [h for h, _ in self._ctrl_backlog if h is not None and h is not self._ctrl_writing]
             self._ctrl_backlog.clear()
             self._ctrl_tx_cv.notify_all()
         for h in pending:
@@ -509,6 +514,7 @@ class Connection:
             self._ctrl_tx_cv.notify()
 
     def _ctrl_send_loop(self) -> None:
+        h: Handle | None = None
         try:
             while True:
                 with self._ctrl_tx_cv:
@@ -517,15 +523,21 @@ class Connection:
                             return
                         self._ctrl_tx_cv.wait()
                     h, parts = self._ctrl_backlog[0]  # stays queued until sent, so order holds
-                send_all(self._ctrl, parts)
-                with self._ctrl_tx_cv:
-                    if self._ctrl_backlog and self._ctrl_backlog[0][0] is h:
-                        self._ctrl_backlog.popleft()
+                    self._ctrl_writing = h
+                try:
+                    send_all(self._ctrl, parts)
+                finally:
+                    with self._ctrl_tx_cv:
+                        self._ctrl_writing = None
+                        if self._ctrl_backlog and self._ctrl_backlog[0][0] is h:
+                            self._ctrl_backlog.popleft()
                 if h is not None:
                     h.got = h.nbytes
                     h._complete()
         except OSError as e:
             self._io_failed(e, "send")
+            if h is not None:  # a failure that came first left it to us
+                h._fail(self._error or translate_oserror(e, self.peer, "send"))
 
     def _pump_ctrl(self, until: Handle | None = None) -> bool:
         """Read whatever the control stream has, without blocking; True if anything moved.
@@ -646,9 +658,8 @@ class Connection:
 
     def _send_loop(self, idx: int) -> None:
         sock = self._data[idx]
-        zc_min = self.config.zerocopy_min_bytes
         zc = None
-        if zc_min and zerocopy.available():
+        if self.config.zerocopy_min_bytes and zerocopy.available():
             try:
                 zc = zerocopy.ZeroCopySender(sock)
             except OSError as e:
@@ -664,27 +675,18 @@ class Connection:
                         if zc and zc.outstanding:
                             break
                         item = self._schedule.next_slice(idx)
+                    if item is not None:
+                        item.job.writing += 1
                 if item is None:
                     zc.reap(0.001)  # type: ignore[union-attr]
                     continue
                 job, off, n = item.job, item.offset, item.length
                 parts = [wire.encode_slice(job.tag, job.seq, job.total, off, n, job.check), job.view[off:off + n]]
-                if zc is not None and n >= zc_min and zerocopy.available():
-                    try:
-                        zc.send(parts, lambda job=job, n=n: self._slice_sent(job, n))
-                    except OSError as e:
-                        if e.errno not in (105, 12):  # ENOBUFS/ENOMEM: out of pinned memory
-                            raise
-                        zerocopy.disable(f"zero-copy send failed ({e.strerror})")
-                        send_all(sock, parts)
-                        self._slice_sent(job, n)
-                elif idx == 0:
-                    with self._stream0_tx:
-                        send_all(sock, parts)
-                    self._slice_sent(job, n)
-                else:
-                    send_all(sock, parts)
-                    self._slice_sent(job, n)
+                written = 0
+                try:
+                    written = self._write_slice(idx, sock, zc, job, parts, n)
+                finally:
+                    self._slice_written(job, written)
                 self.slices_sent[idx] += 1
                 self.bytes_sent[idx] += n
         except (OSError, RedsockError) as e:
@@ -698,15 +700,47 @@ class Connection:
             if ev is not None:
                 ev.set()
 
-    def _slice_sent(self, job: SendJob, n: int) -> None:
-        h = job.handle
+    def _write_slice(self, idx: int, sock: socket.socket, zc: zerocopy.ZeroCopySender | None, job: SendJob,
+                     parts: list, n: int) -> int:
+        """Write one slice; returns its bytes now in the kernel (0 for a zero-copy send: the
+        kernel's release of the pages reports them)."""
+        if zc is not None and n >= self.config.zerocopy_min_bytes and zerocopy.available():
+            try:
+                zc.send(parts, lambda: self._slice_released(job, n))
+                return 0
+            except OSError as e:
+                if e.errno not in (105, 12):  # ENOBUFS/ENOMEM: out of pinned memory
+                    raise
+                zerocopy.disable(f"zero-copy send failed ({e.strerror})")
+        if idx == 0:
+            with self._stream0_tx:
+                send_all(sock, parts)
+        else:
+            send_all(sock, parts)
+        return n
+
+    def _slice_written(self, job: SendJob, n: int) -> None:
+        """A stream thread's write of a slice of ``job`` returned, ``n`` bytes of it done
+        (0 if it failed).  If the connection failed meanwhile, the send is settled here."""
         with self._lock:
-            job.done_bytes += n
-            h.got = job.done_bytes
-            if job.done_bytes < job.total:
-                return
-            self._sends.discard(h)
-        h._complete()
+            job.writing -= 1
+            self._account(job, n)
+
+    def _slice_released(self, job: SendJob, n: int) -> None:
+        with self._lock:
+            self._account(job, n)
+
+    def _account(self, job: SendJob, n: int) -> None:
+        """Count ``n`` more bytes of ``job`` as sent (under the lock); settle it once all are,
+        or once the connection has failed and no write of it is left to report."""
+        h = job.handle
+        job.done_bytes += n
+        h.got = job.done_bytes
+        if job.done_bytes == job.total:
+            self._sends.pop(h, None)
+            h._complete()
+        elif self._error is not None and not job.writing and self._sends.pop(h, None) is not None:
+            h._fail(self._error)  # the rest of it was dropped with the connection
 
     def _recv_loop(self, idx: int) -> None:
         sock = self._data[idx]

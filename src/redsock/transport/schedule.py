@@ -36,6 +36,7 @@ class SendJob:
     check: int = 0
     next_offset: int = 0
     done_bytes: int = 0
+    writing: int = 0  # slices a stream thread is writing now: their outcome is the thread's to report
 
     @property
     def total(self) -> int:

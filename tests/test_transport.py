@@ -405,6 +405,104 @@ def test_backlogged_control_sends_complete_when_the_peer_closes_right_after(make
         h.wait(10)
 
 
+# ------------------------------------------------------------------ data-stream reads
+
+@pytest.fixture
+def tcp_pair():
+    """A connected pair of blocking TCP sockets on loopback; closed afterwards."""
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        a = socket.create_connection(srv.getsockname(), timeout=5)
+        b, _ = srv.accept()
+    a.settimeout(None)
+    b.settimeout(None)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _read_in_thread(reader, sizes):
+    """Read records of ``sizes`` in a thread; returns (thread, results list)."""
+    got = []
+
+    def run():
+        try:
+            for n in sizes:
+                buf = bytearray(n)
+                got.append(bytes(buf) if reader.read_exact(memoryview(buf)) else None)
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            got.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, got
+
+
+@pytest.mark.parametrize("max_lowat", [4096, 256 * 1024, 4 << 20])
+def test_stream_reader_reads_records_however_the_bytes_arrive(tcp_pair, max_lowat):
+    """Records of 1 B .. 5 MiB written in random cuts with pauses, including a record whose
+    last few bytes come long after the rest (a reader that kept the old low-water mark
+    after a partial copy would never wake for them)."""
+    from redsock.transport.sockets import StreamReader
+
+    a, b = tcp_pair
+    rng = random.Random(max_lowat)
+    sizes = [1, 7, 4096, 300 * 1024, 5 << 20, 65537, 2, 1 << 20]
+    records = [pattern(n, i).tobytes() for i, n in enumerate(sizes)]
+    t, got = _read_in_thread(StreamReader(b, max_lowat), sizes)
+    stream = b"".join(records)
+    tail_gap_at = sum(sizes[:4]) - 3  # the 300 KiB record's last 3 bytes come 0.2 s later
+    pos = 0
+    while pos < len(stream):
+        end = tail_gap_at if pos < tail_gap_at else min(len(stream), pos + rng.choice([1, 100, 70000, 1 << 20]))
+        a.sendall(stream[pos:end])
+        pos = end
+        time.sleep(0.2 if pos == tail_gap_at else rng.choice([0, 0, 0.002]))
+    t.join(30)
+    assert not t.is_alive(), "the reader never woke for the bytes it was waiting for"
+    assert got == records
+
+
+def test_stream_reader_wakes_once_per_read_not_per_segment(tcp_pair):
+    """2 MiB arriving as 128 writes of 16 KiB, 1 ms apart: the reader sleeps until all of it
+    is there instead of waking for each write."""
+    from redsock.transport.sockets import StreamReader
+
+    a, b = tcp_pair
+    reader = StreamReader(b, 4 << 20)
+    polls = []
+
+    class CountingPoll:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def poll(self, *args):
+            polls.append(1)
+            return self.inner.poll(*args)
+
+    reader._poll = CountingPoll(reader._poll)
+    data = pattern(2 << 20, 9).tobytes()
+    t, got = _read_in_thread(reader, [len(data)])
+    for i in range(0, len(data), 16384):
+        a.sendall(data[i:i + 16384])
+        time.sleep(0.001)
+    t.join(30)
+    assert got == [data]
+    assert len(polls) <= 3, f"woke {len(polls)} times for 128 writes"
+
+
+def test_stream_reader_tells_a_clean_end_from_a_cut_record(tcp_pair):
+    from redsock.transport.sockets import StreamReader
+
+    a, b = tcp_pair
+    reader = StreamReader(b, 1 << 20)
+    a.sendall(b"x" * 10)
+    a.shutdown(socket.SHUT_WR)
+    assert reader.read_exact(memoryview(bytearray(4)))
+    with pytest.raises(EOFError, match="after 6 of 100 bytes"):
+        reader.read_exact(memoryview(bytearray(100)))
+    assert reader.read_exact(memoryview(bytearray(4))) is False
+
+
 # ------------------------------------------------------------------ same-host profile
 
 class _Ends:

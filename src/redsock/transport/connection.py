@@ -35,13 +35,17 @@ from ..config import Config
 from ..errors import ConfigError, ProtocolError, RedsockError, Timeout, TransportError
 from . import zerocopy
 from .schedule import SendJob, make_schedule
-from .sockets import advance_parts, recv_exact, send_all, shutdown_quietly, translate_oserror
+from .sockets import StreamReader, advance_parts, send_all, shutdown_quietly, translate_oserror
 
 log = logging.getLogger("redsock.transport")
 
 _PROGRESS_CHECK_S = 1.0  # how often a blocked waiter looks for progress on a large message
 _EVENT_LOCK = threading.Lock()
 CTRL_STAGE_BYTES = 4096  # one control-stream read brings a whole small record, often several
+# A data-stream reader is woken at most once per this many bytes (one wake-up per slice: slices
+# are at most 4 MiB by default).  4 ranks on loopback, 64 MiB ring all-reduce, against waking
+# per arriving segment: 101-107 -> 92-98 ms, CPU 187-200 -> 173-185 ms per call over all ranks.
+RCVLOWAT_MAX = 4 * 1024 * 1024
 
 
 def _read_available(sock: socket.socket, view: memoryview) -> int | None:
@@ -744,12 +748,13 @@ class Connection:
 
     def _recv_loop(self, idx: int) -> None:
         sock = self._data[idx]
+        reader = StreamReader(sock, RCVLOWAT_MAX)
         hdr = bytearray(wire.SLICE_SIZE)
         hview = memoryview(hdr)
         limit = self.config.max_message_bytes
         try:
             while True:
-                if not recv_exact(sock, hview):
+                if not reader.read_exact(hview):
                     # A clean end of this stream.  Others may still carry data that was sent
                     # before the peer closed: the connection is down only when all have ended.
                     with self._lock:
@@ -763,7 +768,7 @@ class Connection:
                     self._answer_probe(sock, rec)
                     continue
                 owner, target = self._message_target(rec.tag, rec.seq, rec.total, rec.offset, rec.length, rec.check)
-                if not recv_exact(sock, target):
+                if not reader.read_exact(target):
                     raise EOFError("peer closed the connection mid-slice")
                 self._delivered((rec.tag, rec.seq), owner, rec.length)
         except (OSError, EOFError, RedsockError) as e:

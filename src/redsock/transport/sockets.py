@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import select
 import socket
 
 from ..config import Config
@@ -65,23 +66,47 @@ def translate_oserror(exc: BaseException, peer: str, op: str) -> TransportError:
     return err
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` completely.  False on a clean EOF before the first byte;
-    an EOF in the middle raises :class:`EOFError`."""
-    n = len(view)
-    got = sock.recv_into(view, n, socket.MSG_WAITALL)
-    if got == n:
+class StreamReader:
+    """Exact reads from a blocking stream that wake the reading thread about once per read,
+    not once per arriving segment.
+
+    A thread in ``recv(MSG_WAITALL)`` is woken for every segment that lands (the kernel wakes
+    readers once ``SO_RCVLOWAT`` bytes are queued: 1 by default) and copies piecemeal: at link
+    speed, dozens of context switches per slice.  Here the reader sets ``SO_RCVLOWAT`` to the
+    bytes it still needs and waits in ``poll``, which wakes once they are all queued, then
+    copies them in one call.  (Not in a blocking ``recv``: after a partial copy the kernel
+    compares what is queued with the whole low-water mark, so the rest of a message could
+    never wake it.)  The kernel still wakes the reader early under memory pressure or when
+    the receive window would close, so a read never waits on data the sender cannot send.
+    """
+
+    def __init__(self, sock: socket.socket, max_lowat: int):
+        self.sock = sock
+        self.max_lowat = max_lowat
+        self._lowat = 1
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+
+    def read_exact(self, view: memoryview) -> bool:
+        """Fill ``view``.  False on a clean EOF before the first byte; an EOF later raises EOFError."""
+        n = len(view)
+        got = 0
+        while got < n:
+            try:
+                k = self.sock.recv_into(view[got:], n - got, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                want = min(n - got, self.max_lowat)
+                if want != self._lowat:
+                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                    self._lowat = want
+                self._poll.poll()
+                continue
+            if k == 0:
+                if got == 0:
+                    return False
+                raise EOFError(f"peer closed the connection after {got} of {n} bytes")
+            got += k
         return True
-    if got == 0:
-        if n == 0:
-            return True
-        return False
-    while got < n:  # MSG_WAITALL returns early on signals and some socket events
-        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-        if k == 0:
-            raise EOFError(f"peer closed the connection after {got} of {n} bytes")
-        got += k
-    return True
 
 
 def send_all(sock: socket.socket, parts: list, flags: int = 0) -> int:

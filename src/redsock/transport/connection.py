@@ -35,7 +35,7 @@ from ..config import Config
 from ..errors import ConfigError, ProtocolError, RedsockError, Timeout, TransportError
 from . import zerocopy
 from .schedule import SendJob, make_schedule
-from .sockets import StreamReader, advance_parts, send_all, shutdown_quietly, translate_oserror
+from .sockets import StreamReader, advance_parts, read_available, send_all, shutdown_quietly, translate_oserror
 
 log = logging.getLogger("redsock.transport")
 
@@ -46,17 +46,6 @@ CTRL_STAGE_BYTES = 4096  # one control-stream read brings a whole small record, 
 # are at most 4 MiB by default).  4 ranks on loopback, 64 MiB ring all-reduce, against waking
 # per arriving segment: 101-107 -> 92-98 ms, CPU 187-200 -> 173-185 ms per call over all ranks.
 RCVLOWAT_MAX = 4 * 1024 * 1024
-
-
-def _read_available(sock: socket.socket, view: memoryview) -> int | None:
-    """Read what ``sock`` has, up to ``len(view)`` bytes, without blocking: None if nothing."""
-    try:
-        n = sock.recv_into(view, len(view), socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return None
-    if n == 0:
-        raise EOFError("peer closed the control stream")
-    return n
 
 
 def as_bytes(buf: Any, *, writable: bool) -> memoryview:
@@ -568,7 +557,7 @@ class Connection:
                 if lo:  # keep a partial header at the front
                     stage[:hi - lo] = stage[lo:hi]
                     self._crx_lo, self._crx_hi = 0, hi - lo
-                n = _read_available(sock, memoryview(stage)[self._crx_hi:])
+                n = read_available(sock, memoryview(stage)[self._crx_hi:])
                 if n is None:
                     return progressed
                 self._crx_hi += n
@@ -582,7 +571,7 @@ class Connection:
                     target[filled:filled + n] = memoryview(stage)[self._crx_lo:self._crx_lo + n]
                     self._crx_lo += n
                 else:
-                    n = _read_available(sock, target[filled:])
+                    n = read_available(sock, target[filled:])
                     if n is None:
                         return progressed
                 progressed = True

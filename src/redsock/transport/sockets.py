@@ -66,6 +66,18 @@ def translate_oserror(exc: BaseException, peer: str, op: str) -> TransportError:
     return err
 
 
+def read_available(sock: socket.socket, view: memoryview) -> int | None:
+    """Read what ``sock`` has, up to ``len(view)`` (> 0) bytes, without blocking: None if
+    nothing is there yet; EOFError at the end of the stream."""
+    try:
+        n = sock.recv_into(view, len(view), socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    if n == 0:
+        raise EOFError("peer closed the stream")
+    return n
+
+
 class StreamReader:
     """Exact reads from a blocking stream that wake the reading thread about once per read,
     not once per arriving segment.
@@ -93,18 +105,18 @@ class StreamReader:
         got = 0
         while got < n:
             try:
-                k = self.sock.recv_into(view[got:], n - got, socket.MSG_DONTWAIT)
-            except BlockingIOError:
+                k = read_available(self.sock, view[got:])
+            except EOFError:
+                if got == 0:
+                    return False
+                raise EOFError(f"peer closed the connection after {got} of {n} bytes") from None
+            if k is None:
                 want = min(n - got, self.max_lowat)
                 if want != self._lowat:
                     self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                     self._lowat = want
                 self._poll.poll()
                 continue
-            if k == 0:
-                if got == 0:
-                    return False
-                raise EOFError(f"peer closed the connection after {got} of {n} bytes")
             got += k
         return True
 

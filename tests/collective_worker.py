@@ -153,6 +153,21 @@ def server_async(comm, rank, world):
     digest(xs[2])
 
 
+def server_overlap(comm, rank, world):
+    """Rank 0 starts two async all-reduces at once; the last rank joins only when the test has
+    seen the second call reach the reducer (TEST_GO_FILE), i.e. before the first one's results."""
+    if rank == world - 1:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.environ["TEST_GO_FILE"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    xs = [np.full(1000, rank + 10 * i, np.int64) for i in range(2)]
+    works = [comm.all_reduce(x, algorithm="server", async_op=True) for x in xs]
+    for w in works:
+        w.wait(60)
+    for i, x in enumerate(xs):
+        assert np.all(x == sum(r + 10 * i for r in range(world))), i
+
+
 def server_deterministic(comm, rank, world):
     """Random float32 data: with REDSOCK_DETERMINISTIC=1 the bits repeat across runs."""
     x = np.random.default_rng(rank).standard_normal(1 << 18).astype(np.float32)

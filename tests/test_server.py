@@ -108,6 +108,28 @@ def test_two_jobs_share_reducers_with_async_calls_in_flight(reducers):
         ok(results[k])
 
 
+def test_next_call_reaches_the_reducer_while_the_previous_one_waits_for_results(tmp_path):
+    # DDP's buckets come one after another: the next one must stream out while the previous
+    # one's results are still coming back, not after (the link would idle for a round trip).
+    go = tmp_path / "go"
+    with ReductionServer("127.0.0.1", 0, config=Config(timeout_s=30)) as server:
+        outs = {}
+        world = threading.Thread(target=lambda: outs.setdefault("ranks", run_world(
+            "server_overlap", 2, timeout=120,
+            env={"REDSOCK_SERVERS": "%s:%d" % server.address, "TEST_GO_FILE": str(go)})))
+        world.start()
+        try:
+            # Rank 1 has not called yet, so the first call cannot complete: only a rank 0 that
+            # went on without its results can have opened the second round.
+            _wait_until(lambda: server.stats()["rounds"] == 2, 60, every_s=0.01)
+            rounds = server.stats()["rounds"]
+        finally:
+            go.touch()
+            world.join(150)
+        assert rounds == 2
+        ok(outs["ranks"])
+
+
 def test_deterministic_mode_repeats_bitwise(reducers):
     _, servers = reducers(2)
     env = {"REDSOCK_SERVERS": servers, "REDSOCK_PIECE_BYTES": "64K", "REDSOCK_DETERMINISTIC": "1"}

@@ -32,7 +32,8 @@ _COLLECTIVE_TAG = 1 << 62  # tag spaces: collectives vs user point-to-point
 _P2P_TAG = 1 << 61
 _FAILED_RE = re.compile(r"\[failed ranks: ([0-9, ]+)\]")
 
-Algorithm = Callable[[CallContext, np.ndarray, ops.ReduceOp], None]
+Finish = Callable[[], None]  # what an algorithm may leave to do after it returns: wait for its last results
+Algorithm = Callable[[CallContext, np.ndarray, ops.ReduceOp], Finish | None]
 ALLREDUCE_ALGORITHMS: dict[str, Algorithm] = {"ring": ring.all_reduce, "small": small.all_reduce,
                                                "server": server_client.all_reduce}
 # With servers configured, `auto` sends all-reduces of at least this size to them.
@@ -76,7 +77,8 @@ class Communicator:
         self._seq = 0
         self._seq_lock = threading.Lock()
         self._failure: PeerFailure | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: ThreadPoolExecutor | None = None  # starts async calls, in order
+        self._drainer: ThreadPoolExecutor | None = None  # finishes them, in order
         self._pool = ScratchPool()
         self.servers: ServerGroup | None = None
         if self.config.servers:
@@ -161,8 +163,9 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._executor, self._drainer):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
         if self.servers is not None:
             self.servers.close()
         self.peers.close()
@@ -194,8 +197,11 @@ class Communicator:
         value = store.get(key)
         return int(value.decode() if isinstance(value, bytes) else value)
 
-    def _run(self, name: str, signature: tuple, body: Callable[[CallContext], None], async_op: bool
+    def _run(self, name: str, signature: tuple, body: Callable[[CallContext], Finish | None], async_op: bool
              ) -> Work | None:
+        """Run one collective.  A ``body`` may return a ``finish`` that waits for its last
+        results: an async call then hands it to the drain thread, and the next call starts
+        while this one drains (calls start in order; drains finish in order)."""
         self._check_usable()
         with self._seq_lock:  # every rank numbers its calls the same way: the tag is the call number
             seq = self._seq
@@ -204,20 +210,47 @@ class Communicator:
         ctx = CallContext(self.peers, self.rank, self.world_size, _COLLECTIVE_TAG | seq, check,
                           self.config.timeout_s, self._pool, seq, self.servers)
 
-        def call() -> None:
+        def guarded(step: Callable[[], Finish | None]) -> Finish | None:
             try:
-                body(ctx)
+                return step()
             except RedsockError as e:
                 raise self._failed(name, seq, e) from e
+
+        def finish(rest: Finish) -> None:
+            try:
+                guarded(rest)
             finally:
                 ctx.release()
 
+        def start() -> Finish | None:
+            try:
+                rest = guarded(lambda: body(ctx))
+            except BaseException:
+                ctx.release()
+                raise
+            if rest is None:
+                ctx.release()
+            return rest
+
         if not async_op:
-            call()
+            rest = start()
+            if rest is not None:
+                finish(rest)
             return None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"redsock-r{self.rank}")
-        return Work(self._executor.submit(call))
+            self._drainer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"redsock-r{self.rank}-drain")
+        done: Future = Future()
+
+        def run() -> None:  # settles ``done``, or leaves it to the drain thread
+            rest = start()
+            if rest is None:
+                done.set_result(None)
+            else:
+                _chain(self._drainer.submit(finish, rest), done)
+
+        _chain(self._executor.submit(run), done, only_failures=True)
+        return Work(done)
 
     def _p2p(self, peer: int, what: str, io: Callable[[Any], None]) -> None:
         self._check_usable()
@@ -262,6 +295,19 @@ class Communicator:
 def _signature_check(name: str, signature: tuple) -> int:
     """16 bits every message of a call carries; ranks that disagree on the call differ here."""
     return zlib.crc32(repr((name, *[str(s) for s in signature])).encode()) & 0xFFFF
+
+
+def _chain(source: Future, target: Future, only_failures: bool = False) -> None:
+    """Settle ``target`` as ``source`` settles (``only_failures``: only if ``source`` failed
+    or was cancelled by close()), so that no call is left pending."""
+    def copy(f: Future) -> None:
+        if f.cancelled():
+            target.cancel()
+        elif f.exception() is not None:
+            target.set_exception(f.exception())
+        elif not only_failures:
+            target.set_result(f.result())
+    source.add_done_callback(copy)
 
 
 def _failed_ranks(err: RedsockError, peers: PeerTable) -> list[int]:

@@ -6,6 +6,11 @@ announces the call to each server, then streams its pieces with at most
 ``WINDOW`` outstanding per server, while the reduced pieces stream back
 straight into the caller's array: pushing piece i+1 overlaps pulling piece i.
 Per worker that is S bytes out and S bytes in, whatever the number of workers.
+
+The window is the connection's, not the call's: a call returns once its last
+piece is posted, with a ``finish`` that waits for its results, so the next call
+(DDP's next gradient bucket) streams out while this one's last results come back
+and the link never idles between calls.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
+from typing import NoReturn
 
 import numpy as np
 
@@ -37,6 +44,9 @@ class ServerGroup:
         self.config = config.replace(nsocks=max(1, config.nsocks // len(self.addresses)))
         self.job, self.rank, self.world = job, rank, world
         self._conns: list[Connection | None] = [None] * len(self.addresses)
+        # Per server, the results of the pieces in flight to it (of this call and earlier
+        # ones still finishing): a worker may send a piece once the result WINDOW pieces back is in.
+        self.in_flight: list[deque[Handle]] = [deque() for _ in self.addresses]
         self._lock = threading.Lock()
 
     def conn(self, i: int) -> Connection:
@@ -58,15 +68,17 @@ class ServerGroup:
                 if c is not None:
                     c.close()
             self._conns = [None] * len(self.addresses)
+            # Fresh queues: a call still posting keeps the old one, whose handles now fail.
+            self.in_flight = [deque() for _ in self.addresses]
 
 
-def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
+def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Callable[[], None] | None:
+    """Start the call; returns ``finish`` (wait for the results) unless it is already complete."""
     group = ctx.servers
     if group is None:
         raise PeerFailure("algorithm 'server' needs reduction servers (REDSOCK_SERVERS or init(servers=...))")
     if group.config.server_fallback != "ring" or ctx.world == 1:
-        _through_servers(ctx, group, x, op)
-        return
+        return _through_servers(ctx, group, x, op)
     # Fallback armed: keep the input, and let every rank agree on the outcome, so that
     # either all ranks keep the servers' result or all redo the call by ring.
     saved = ctx.scratch(x.size, x.dtype)
@@ -84,7 +96,7 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
     small.all_reduce(ctx, reachable, ops.ReduceOp.MIN)
     if reachable[0]:
         try:
-            _through_servers(ctx, group, x, op)
+            _through_servers(ctx, group, x, op)()  # all ranks must agree on the outcome first
         except PeerFailure as e:
             if "[failed ranks:" in str(e):
                 raise  # a worker failed, not a reducer: ring cannot help
@@ -92,11 +104,12 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
     ok = np.array([0 if failure or not reachable[0] else 1], np.uint8)
     small.all_reduce(ctx, ok, ops.ReduceOp.MIN)
     if ok[0]:
-        return
+        return None
     log.warning("all-reduce #%d: %s; finishing it by ring all-reduce (REDSOCK_SERVER_FALLBACK=ring)",
                 ctx.seq, failure or "a reduction server failed on another rank")
     flat(x)[:] = saved
     ring.all_reduce(ctx, x, op)
+    return None
 
 
 #: A message is cut into at least this many pieces per server (when pieces stay above
@@ -114,48 +127,61 @@ def piece_elements(count: int, itemsize: int, nservers: int, piece_bytes: int) -
     return max(1, nbytes // itemsize)
 
 
-def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: ops.ReduceOp) -> None:
+def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: ops.ReduceOp
+                     ) -> Callable[[], None]:
+    """Announce the call and post every piece (waiting only for window credits); the
+    returned ``finish`` waits for the reduced pieces."""
     xf = flat(x)
     nserv = len(group.addresses)
     piece = piece_elements(xf.size, xf.itemsize, nserv, group.config.piece_bytes)
     npieces = -(-xf.size // piece)
     flags = wire.FLAG_DETERMINISTIC if group.config.deterministic else 0
-    current = 0
-    try:
-        used = range(min(nserv, npieces))
-        conns = {}
-        for s in used:
-            current = s
-            conns[s] = group.conn(s)
-        for s in used:
-            current = s
-            ann = wire.Announce(group.job, ctx.seq, ops.dtype_code(x.dtype), op.code, ctx.world, ctx.rank, flags,
-                                xf.size, piece, nserv, s)
-            conns[s].isend(ann.encode(), wire.ANNOUNCE_TAG)
-        # Results land straight in x; safe before our piece has gone, because a reduced piece
-        # only comes back after the server has received every rank's contribution to it.
-        results: list[Handle] = []
-        for p in range(npieces):
-            lo, hi = p * piece, min(xf.size, (p + 1) * piece)
-            results.append(conns[p % nserv].irecv(xf[lo:hi], wire.piece_tag(ctx.seq, p)))
-        outstanding: dict[int, deque[Handle]] = {s: deque() for s in used}
-        sends: list[Handle] = []
-        for p in range(npieces):
-            s = current = p % nserv
-            if len(outstanding[s]) >= WINDOW:  # credits: the server has posted WINDOW receives
-                outstanding[s].popleft().wait(ctx.timeout_s)
-            lo, hi = p * piece, min(xf.size, (p + 1) * piece)
-            sends.append(conns[s].isend(xf[lo:hi], wire.piece_tag(ctx.seq, p)))
-            outstanding[s].append(results[p])
-        for p, h in enumerate(results):
-            current = p % nserv
-            h.wait(ctx.timeout_s)
-        for h in sends:
-            h.wait(ctx.timeout_s)
-    except TransportError as e:
+    server = 0  # the reducer being talked to, for the error message
+
+    def failed(e: TransportError) -> NoReturn:
         # Receives may still be posted into x on the other servers' connections: closing
         # them all guarantees no late result lands in x.  The next call reconnects.
         group.close()
         if "[failed ranks:" in str(e):
-            raise  # the server diagnosed a failed worker: the communicator names it
-        raise PeerFailure(f"reduction server {group.name(current)} failed: {e}") from e
+            raise e  # the server diagnosed a failed worker: the communicator names it
+        raise PeerFailure(f"reduction server {group.name(server)} failed: {e}") from e
+
+    results: list[Handle] = []
+    sends: list[Handle] = []
+    try:
+        used = range(min(nserv, npieces))
+        conns = {}
+        for server in used:
+            conns[server] = group.conn(server)
+        for server in used:
+            ann = wire.Announce(group.job, ctx.seq, ops.dtype_code(x.dtype), op.code, ctx.world, ctx.rank, flags,
+                                xf.size, piece, nserv, server)
+            conns[server].isend(ann.encode(), wire.ANNOUNCE_TAG)
+        # Results land straight in x; safe before our piece has gone, because a reduced piece
+        # only comes back after the server has received every rank's contribution to it.
+        for p in range(npieces):
+            lo, hi = p * piece, min(xf.size, (p + 1) * piece)
+            results.append(conns[p % nserv].irecv(xf[lo:hi], wire.piece_tag(ctx.seq, p)))
+        for p in range(npieces):
+            server = p % nserv
+            in_flight = group.in_flight[server]
+            while len(in_flight) >= WINDOW:  # credits: the server has posted WINDOW receives
+                in_flight.popleft().wait(ctx.timeout_s)
+            lo, hi = p * piece, min(xf.size, (p + 1) * piece)
+            sends.append(conns[server].isend(xf[lo:hi], wire.piece_tag(ctx.seq, p)))
+            in_flight.append(results[p])
+    except TransportError as e:
+        failed(e)
+
+    def finish() -> None:
+        nonlocal server
+        try:
+            for p, h in enumerate(results):
+                server = p % nserv
+                h.wait(ctx.timeout_s)
+            for h in sends:
+                h.wait(ctx.timeout_s)
+        except TransportError as e:
+            failed(e)
+
+    return finish

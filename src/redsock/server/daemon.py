@@ -182,7 +182,9 @@ class ReductionServer:
             buf = self.pool.take(nbytes)
             posted.append((p, buf, conn.irecv(buf[:nbytes], wire.piece_tag(ann.op_seq, p))))
 
-        for p in pieces[:WINDOW]:  # posted ahead: pieces never arrive unexpected (no extra copy)
+        # Posted ahead, so pieces land without a copy; only a worker's next call, which may
+        # start before this round's results are back, can have up to WINDOW pieces here first.
+        for p in pieces[:WINDOW]:
             post(p)
         next_i = min(WINDOW, len(pieces))
         while posted:

@@ -75,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="redsock: keep --backend for everything else, all-reduce gradient buckets with redsock")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the steps/s figure")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="DDP bucket size; 0: DDP's own default (no bucket_cap_mb: a 1 MB first bucket, then 25 MB)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--vocab", type=int, default=8192)
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP broadcasts rank 0's anyway)
     model = TransformerLM(args.vocab, args.d_model, args.layers, args.heads, args.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
-    ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
+    ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb or None)
     hook_state = None
     if args.hook == "redsock":
         from redsock.torch import HookState, allreduce_hook

@@ -74,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1, help="rounds over the algorithms; median reported")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per rank per step (default 1)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default 25)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="DDP bucket size (default 25; 0: DDP's own default, a 1 MB first bucket then 25 MB)")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
                    help="sgd (default: cheap, so the step is mostly gradient exchange) or adamw")
     p.add_argument("--tcp-cc", metavar="NAME", default="reno", help="TCP congestion control in the hosts")

@@ -19,7 +19,7 @@ from ..bootstrap import PeerTable
 from ..config import Config, KiB
 from ..errors import ConfigError, PeerFailure, RedsockError, TransportError
 from . import ring, server_client, small
-from .context import CallContext, ScratchPool
+from .context import CallContext, Finish, ScratchPool
 from .server_client import ServerGroup
 
 log = logging.getLogger("redsock.collectives")
@@ -32,7 +32,6 @@ _COLLECTIVE_TAG = 1 << 62  # tag spaces: collectives vs user point-to-point
 _P2P_TAG = 1 << 61
 _FAILED_RE = re.compile(r"\[failed ranks: ([0-9, ]+)\]")
 
-Finish = Callable[[], None]  # what an algorithm may leave to do after it returns: wait for its last results
 Algorithm = Callable[[CallContext, np.ndarray, ops.ReduceOp], Finish | None]
 ALLREDUCE_ALGORITHMS: dict[str, Algorithm] = {"ring": ring.all_reduce, "small": small.all_reduce,
                                                "server": server_client.all_reduce}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +11,10 @@ import numpy as np
 
 from ..bootstrap import PeerTable
 from ..transport import Handle
+
+#: What an algorithm may leave to do after it returns: wait for its last results (the
+#: communicator runs it on its drain thread, so the next call can start meanwhile).
+Finish = Callable[[], None]
 
 
 class ScratchPool:

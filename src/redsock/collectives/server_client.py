@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
 from typing import NoReturn
 
 import numpy as np
@@ -29,7 +28,7 @@ from ..errors import PeerFailure, TransportError
 from ..server.daemon import WINDOW
 from ..transport import Connection, Handle, connect
 from . import ring, small
-from .context import CallContext, flat
+from .context import CallContext, Finish, flat
 
 log = logging.getLogger("redsock.collectives")
 
@@ -72,7 +71,7 @@ class ServerGroup:
             self.in_flight = [deque() for _ in self.addresses]
 
 
-def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Callable[[], None] | None:
+def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Finish | None:
     """Start the call; returns ``finish`` (wait for the results) unless it is already complete."""
     group = ctx.servers
     if group is None:
@@ -127,8 +126,7 @@ def piece_elements(count: int, itemsize: int, nservers: int, piece_bytes: int) -
     return max(1, nbytes // itemsize)
 
 
-def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: ops.ReduceOp
-                     ) -> Callable[[], None]:
+def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: ops.ReduceOp) -> Finish:
     """Announce the call and post every piece (waiting only for window credits); the
     returned ``finish`` waits for the reduced pieces."""
     xf = flat(x)

@@ -8,9 +8,11 @@ share keys).
 How operations run:
 
 * Collectives are submitted to the communicator with ``async_op=True`` from the
-  caller's thread.  The communicator numbers calls as they are submitted and runs
+  caller's thread.  The communicator numbers calls as they are submitted and starts
   them in that order on its own thread, so every rank runs them in the same
-  order and the caller only waits for what it must (staging CUDA tensors).
+  order and the caller only waits for what it must (staging CUDA tensors); an
+  all-reduce through reduction servers finishes on a second thread, so the next
+  call (DDP's next bucket) starts while its results come back.
 * Point-to-point operations (send/recv, and alltoall, gather and scatter, which
   are built from them) run on *lanes*: one thread per (direction, peer, tag).
   Messages with the same tag are matched in order, and each lane keeps that

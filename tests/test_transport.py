@@ -15,6 +15,7 @@ from redsock import wire
 from redsock.config import Config
 from redsock.errors import AuthError, ConfigError, ProtocolError, Timeout, TransportError
 from redsock.transport import Listener, connect
+from redsock.transport.sockets import TCP_NOTSENT_LOWAT
 
 
 def roundtrip(a, b, data, tag=0):
@@ -552,6 +553,17 @@ def test_local_nsocks_zero_treats_this_host_like_any_peer(make_pair):
     client, server = make_pair(nsocks=3, local_nsocks=0, notsent_lowat=32 * 1024)
     assert client.nstreams == server.nstreams == 3
     assert client.config.notsent_lowat == 32 * 1024
+    assert client._data[0].getsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT) == 32 * 1024
+
+
+def test_a_single_stream_connection_leaves_unsent_bytes_to_the_kernel(make_pair):
+    # Nothing to balance over one stream: no TCP_NOTSENT_LOWAT, on both ends, whoever chose the count.
+    client, server = make_pair(nsocks=1, local_nsocks=0, notsent_lowat=32 * 1024)
+    assert client.nstreams == server.nstreams == 1
+    assert client.config.notsent_lowat == server.config.notsent_lowat == 0
+    for conn in (client, server):  # 0: never set, the kernel's own limit applies
+        assert conn._data[0].getsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT) == 0
+    assert Config(nsocks=4).for_peer(False, nstreams=1).notsent_lowat == 0  # the listener's side
 
 
 def test_same_host_profile_options_are_checked():

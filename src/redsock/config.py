@@ -51,7 +51,8 @@ class Config:
     busy_poll_us: int = 0
     #: "dynamic": slices go to whichever stream has room; "static": even split (NCCL socket).
     balance: str = "dynamic"
-    #: TCP_NOTSENT_LOWAT on data streams so queue occupancy follows real speed (0 = kernel default).
+    #: TCP_NOTSENT_LOWAT on data streams so queue occupancy follows real speed (0 = kernel default;
+    #: never on a connection with a single data stream, see :meth:`for_peer`).
     #: Small, so a stream that falls behind holds few unsent bytes (testbed ring at 1 Gbit/s,
     #: 1 MiB steps over 4 streams: p90 10 ms at 32 KiB against 20 ms at 256 KiB; bound 8.8).
     notsent_lowat: int = 32 * KiB
@@ -129,13 +130,19 @@ class Config:
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
 
-    def for_peer(self, same_host: bool) -> "Config":
+    def for_peer(self, same_host: bool, nstreams: int | None = None) -> "Config":
         """The settings for one connection: the same-host profile (see ``local_nsocks``) when the
-        peer is on this host and the profile is on, else these."""
-        if not same_host or not self.local_nsocks:
-            return self
-        return self.replace(nsocks=self.local_nsocks, notsent_lowat=0,
-                            chunk_bytes=max(self.chunk_bytes, LOCAL_CHUNK_BYTES))
+        peer is on this host and the profile is on, else these.  ``nstreams``: the connection's
+        data streams when the peer chose them (default: ours)."""
+        config = self
+        if same_host and self.local_nsocks:
+            config = self.replace(nsocks=self.local_nsocks, notsent_lowat=0,
+                                  chunk_bytes=max(self.chunk_bytes, LOCAL_CHUNK_BYTES))
+        if (nstreams or config.nsocks) == 1 and config.notsent_lowat:
+            # One stream has nothing to balance: let unsent bytes wait in the kernel, which then
+            # wakes the sending thread about once per slice instead of once per notsent_lowat.
+            config = config.replace(notsent_lowat=0)
+        return config
 
 
 def read_token_file(path: str | os.PathLike) -> bytes:

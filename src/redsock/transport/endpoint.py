@@ -214,7 +214,7 @@ class Listener:
         send_verdict(sock, wire.Status.OK)
         if not done:
             return
-        config = self.config.for_peer(same_host(p.ctrl))
+        config = self.config.for_peer(same_host(p.ctrl), nstreams=len(p.data))
         for s in [p.ctrl, *p.data]:
             s.settimeout(None)
             tune(s, config, data=s is not p.ctrl)

@@ -90,7 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-params", metavar="FILE", default=None,
                    help="save the final parameters (torch.save of a name->tensor dict); a '{rank}' in "
                         "FILE is replaced by the rank and every rank saves, otherwise rank 0 only")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.bucket_cap_mb < 0:
+        p.error("--bucket-cap-mb must be >= 0 (0: DDP's own default)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

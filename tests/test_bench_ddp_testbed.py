@@ -51,7 +51,7 @@ def test_summary_takes_medians_and_counts_reducer_hosts():
 
 def test_bad_options_are_refused_before_anything_starts():
     for extra, msg in ((["--algos", "gloo,nccl"], "unknown nccl"), (["--steps", "3", "--warmup", "3"], "exceed"),
-                       (["--workers", "1"], "workers")):
+                       (["--workers", "1"], "workers"), (["--bucket-cap-mb", "-1"], "bucket-cap-mb")):
         r = subprocess.run([sys.executable, "-m", "redsock", "bench", "ddp", "--testbed", *extra],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and msg in r.stderr, r.stderr

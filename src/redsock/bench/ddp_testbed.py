@@ -161,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--steps must exceed --warmup (>= 0)")
     if args.repeats < 1 or args.timeout <= 0:
         raise ConfigError("--repeats must be >= 1 and --timeout > 0")
+    if args.bucket_cap_mb < 0:
+        raise ConfigError("--bucket-cap-mb must be >= 0 (0: DDP's own default)")
     rate = parse_rate(args.rate)
     train_script()
     nx.require_root("redsock bench ddp --testbed")

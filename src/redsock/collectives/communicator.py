@@ -222,14 +222,13 @@ class Communicator:
                 ctx.release()
 
         def start() -> Finish | None:
+            rest = None
             try:
                 rest = guarded(lambda: body(ctx))
-            except BaseException:
-                ctx.release()
-                raise
-            if rest is None:
-                ctx.release()
-            return rest
+                return rest
+            finally:
+                if rest is None:  # failed, or complete: nothing left for finish() to release
+                    ctx.release()
 
         if not async_op:
             rest = start()

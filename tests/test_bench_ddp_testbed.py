@@ -34,10 +34,12 @@ def test_parse_result_reads_the_last_result_line():
 
 
 def test_summary_takes_medians_and_counts_reducer_hosts():
-    def res(sps):
-        return {"steps": 10, "time_s": 10 / sps, "steps_per_s": sps, "final_loss": 9.0, "grad_bytes": 100}
+    def res(sps, rtos=0):
+        return {"steps": 10, "time_s": 10 / sps, "steps_per_s": sps, "final_loss": 9.0, "grad_bytes": 100,
+                "tcp": {"RetransSegs": 5, "TCPTimeouts": rtos}}
 
-    rows = ddp_testbed.summarize({"gloo": [res(2.0), res(1.0), res(3.0)], "server": [res(3.0), res(4.0), res(2.0)]},
+    rows = ddp_testbed.summarize({"gloo": [res(2.0), res(1.0), res(3.0)],
+                                  "server": [res(3.0), res(4.0, rtos=2), res(2.0, rtos=1)]},
                                  workers=4, servers=4, rate=10**9)
     gloo, server = rows
     assert gloo["steps_per_s"] == 2.0 and server["steps_per_s"] == 3.0
@@ -45,8 +47,10 @@ def test_summary_takes_medians_and_counts_reducer_hosts():
     assert server["vs_gloo"] == pytest.approx(1.5)
     assert gloo["host_s_per_step"] == pytest.approx(2.0) and server["host_s_per_step"] == pytest.approx(8 / 3)
     assert server["cost_vs_gloo"] == pytest.approx(4 / 3)
+    assert (gloo["tcp_timeouts"], server["tcp_timeouts"]) == (0, 3)  # summed over the runs
     text = ddp_testbed.format_summary(rows, 4, 10**9)
-    assert "1.50" in text and "1 Gbit/s" in text
+    assert "1.50" in text and "1 Gbit/s" in text and "RTOs" in text
+    assert text.splitlines()[-1].split()[7] == "3"  # the server row's RTO column
 
 
 def test_bad_options_are_refused_before_anything_starts():
@@ -76,5 +80,12 @@ def test_ddp_on_the_testbed_gloo_ring_and_reducer_agree(tmp_path):
             assert math.isclose(o["final_loss"], rows["gloo"]["final_loss"], rel_tol=1e-3)
         assert (rows["gloo"]["hosts"], rows["ring"]["hosts"], rows["server"]["hosts"]) == (2, 2, 3)
         assert "x gloo" in r.stdout
+        # Every run reports the hosts' TCP retransmission counters (differences: never negative).
+        per_run = [line for line in r.stdout.splitlines() if line.startswith("# TCP during the run")]
+        assert len(per_run) == 3, r.stdout[-3000:]
+        for line in per_run:
+            counts = dict(kv.rsplit(" ", 1) for kv in line.split(": ", 1)[1].split(", "))
+            assert set(counts) >= {"RetransSegs", "TCPTimeouts"} and all(int(v) >= 0 for v in counts.values())
+        assert all(isinstance(o["tcp_timeouts"], int) and o["tcp_timeouts"] >= 0 for o in rows.values())
     finally:
         assert list_prefix_netns(prefix) == []

@@ -42,7 +42,7 @@ from ..testbed.cluster import PROFILES, Testbed
 from ..testbed.netns import format_rate, parse_rate
 from . import report
 from .testbed_launch import (GOODPUT_FACTOR, SERVER_PORT, Proc, box_cpu, proc_status, set_congestion_control,
-                             start_ranks, start_servers, stop, tail, wait_ranks)
+                             start_ranks, start_servers, stop, tail, tcp_counters, tcp_line, wait_ranks)
 
 __all__ = ["GOODPUT_FACTOR", "add_arguments", "child_argv", "run", "summary_table"]
 
@@ -169,26 +169,6 @@ def link_counters(tb: Testbed) -> dict[str, dict[str, int]]:
     return out
 
 
-_TCP_KEYS = ("RetransSegs", "TCPTimeouts", "TCPLossProbes", "TCPFastRetrans", "TCPSpuriousRTOs")
-
-
-def tcp_counters(tb: Testbed) -> dict[str, int]:
-    """TCP retransmission counters summed over the hosts' namespaces (/proc/net/snmp, netstat)."""
-    total = dict.fromkeys(_TCP_KEYS, 0)
-    for name in tb.hosts:
-        try:
-            text = tb.exec(name, ["cat", "/proc/net/snmp", "/proc/net/netstat"], capture_output=True,
-                           text=True, timeout=10).stdout
-        except (OSError, subprocess.SubprocessError):
-            continue
-        lines = text.splitlines()
-        for head, vals in zip(lines[::2], lines[1::2]):  # "Tcp: names..." / "Tcp: values..."
-            for k, v in zip(head.split()[1:], vals.split()[1:]):
-                if k in total and v.lstrip("-").isdigit():
-                    total[k] += int(v)
-    return total
-
-
 def _link_line(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], wall: float) -> str:
     parts = []
     for name in after:
@@ -243,8 +223,7 @@ def run(args: argparse.Namespace) -> int:
             wall = time.monotonic() - t0
             box1 = box_cpu()
             links = _link_line(links0, link_counters(tb), wall)
-            tcp1 = tcp_counters(tb)
-            links += "\n# TCP over the run, all hosts: " + ", ".join(f"{k} {tcp1[k] - tcp0[k]}" for k in _TCP_KEYS)
+            links += "\n# TCP over the run, all hosts: " + tcp_line(tcp0, tcp_counters(tb))
             for s in server_procs:  # read before they exit: the peak RSS dies with the process
                 s.info = proc_status(s.proc.pid)
                 s.info["cpu_s"] = s.info.get("cpu_s", 0.0) - cpu0.get(s.name, 0.0)  # during the run

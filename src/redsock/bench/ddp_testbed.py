@@ -39,7 +39,7 @@ from ..testbed import netns as nx
 from ..testbed.cluster import PROFILES, Testbed
 from ..testbed.netns import format_rate, parse_rate
 from .testbed_launch import (MASTER_PORT, Proc, set_congestion_control, start_ranks, start_servers, stop, tail,
-                             wait_ranks)
+                             tcp_counters, tcp_delta, tcp_line, wait_ranks)
 
 __all__ = ["ALGOS", "add_arguments", "parse_result", "run", "summarize", "train_script"]
 
@@ -115,7 +115,9 @@ def summarize(results: dict[str, list[dict[str, Any]]], workers: int, servers: i
                     "rate_bps": rate, "steps": last["steps"], "runs": [r["steps_per_s"] for r in runs],
                     "time_s": statistics.median(r["time_s"] for r in runs), "steps_per_s": sps,
                     "final_loss": last["final_loss"], "grad_bytes": last.get("grad_bytes", 0),
-                    "hosts": hosts, "host_s_per_step": hosts / sps})
+                    "hosts": hosts, "host_s_per_step": hosts / sps,
+                    # Retransmission timeouts over all runs: each stalls a flow >= 200 ms.
+                    "tcp_timeouts": sum(r.get("tcp", {}).get("TCPTimeouts", 0) for r in runs)})
     gloo = next((o for o in out if o["algo"] == "gloo"), None)
     for o in out:
         o["vs_gloo"] = o["steps_per_s"] / gloo["steps_per_s"] if gloo else None
@@ -125,15 +127,15 @@ def summarize(results: dict[str, list[dict[str, Any]]], workers: int, servers: i
 
 def format_summary(rows: Sequence[dict[str, Any]], workers: int, rate: int) -> str:
     lines = [f"# DDP {workers} workers, links at {format_rate(rate)}: median steps/s over the runs; "
-             "x gloo = steps/s ratio; host-s/step counts reducer hosts",
+             "x gloo = steps/s ratio; host-s/step counts reducer hosts; RTOs = TCP retransmission timeouts, all runs",
              f"#{'algo':>7} {'steps/s':>9} {'x gloo':>7} {'hosts':>6} {'host-s/step':>12} {'cost x gloo':>12}"
-             f" {'loss':>8}  runs"]
+             f" {'loss':>8} {'RTOs':>5}  runs"]
     for o in rows:
         vs = f"{o['vs_gloo']:.2f}" if o["vs_gloo"] else "-"
         cost = f"{o['cost_vs_gloo']:.2f}" if o["cost_vs_gloo"] else "-"
         runs = " ".join(f"{x:.3f}" for x in o["runs"])
         lines.append(f"{o['algo']:>8} {o['steps_per_s']:9.3f} {vs:>7} {o['hosts']:>6} {o['host_s_per_step']:12.2f}"
-                     f" {cost:>12} {o['final_loss']:8.4f}  {runs}")
+                     f" {cost:>12} {o['final_loss']:8.4f} {o['tcp_timeouts']:5d}  {runs}")
     return "\n".join(lines)
 
 
@@ -190,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
                     backend, env = ALGOS[algo]
                     tag = f".{algo}{rep}"
                     print(f"# run {rep + 1}/{args.repeats}: {algo} (--backend {backend})", flush=True)
+                    tcp0 = tcp_counters(tb)
                     # A fresh store port per run: the last run's may linger in TIME_WAIT.
                     ranks, relays = start_ranks(tb, _train_argv(args, backend), logdir, env,
                                                  master_port=MASTER_PORT + 1 + n, tag=tag)
@@ -206,7 +209,11 @@ def run(args: argparse.Namespace) -> int:
                                 print(f"--- {p.name} (exit {p.proc.returncode}) ---\n{tail(p.log) or '(no output)'}",
                                       file=sys.stderr)
                         raise RedsockError(f"{algo} run {rep + 1} failed: {why}")
-                    results[algo].append(parse_result((logdir / f"w0{tag}.log").read_text()))
+                    result = parse_result((logdir / f"w0{tag}.log").read_text())
+                    tcp1 = tcp_counters(tb)
+                    result["tcp"] = tcp_delta(tcp0, tcp1)
+                    print(f"# TCP during the run, all hosts: {tcp_line(tcp0, tcp1)}", flush=True)
+                    results[algo].append(result)
             for s in server_procs:
                 if s.proc.poll() is not None:
                     raise RedsockError(f"reduction server on {s.name} exited with {s.proc.returncode}: {tail(s.log)}")

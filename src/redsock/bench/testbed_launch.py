@@ -2,8 +2,8 @@
 
 Reducers (``redsock serve``) on the reducer hosts, torchrun-style ranks on the
 worker hosts (rank 0's output relayed live), waiting with a deadline that names
-the process that failed, stopping everything; plus the machine-wide CPU counter
-and the hosts' TCP congestion control.
+the process that failed, stopping everything; plus the machine-wide CPU counter,
+the hosts' TCP congestion control and their TCP retransmission counters.
 """
 
 from __future__ import annotations
@@ -76,6 +76,37 @@ def set_congestion_control(tb: Testbed, name: str | None) -> str:
         seen.add(nx.run(["ip", "netns", "exec", tb.ns(host), "sysctl", "-n",
                          "net.ipv4.tcp_congestion_control"]).stdout.strip())
     return ",".join(sorted(seen))
+
+
+#: TCP counters a benchmark reports per run: a retransmission timeout (TCPTimeouts) stalls
+#: a flow for at least 200 ms, which shows in a run's time.
+TCP_KEYS = ("RetransSegs", "TCPTimeouts", "TCPLossProbes", "TCPFastRetrans", "TCPSpuriousRTOs")
+
+
+def tcp_counters(tb: Testbed) -> dict[str, int]:
+    """TCP retransmission counters summed over the hosts' namespaces (/proc/net/snmp, netstat)."""
+    total = dict.fromkeys(TCP_KEYS, 0)
+    for name in tb.hosts:
+        try:
+            text = tb.exec(name, ["cat", "/proc/net/snmp", "/proc/net/netstat"], capture_output=True,
+                           text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        lines = text.splitlines()
+        for head, vals in zip(lines[::2], lines[1::2]):  # "Tcp: names..." / "Tcp: values..."
+            for k, v in zip(head.split()[1:], vals.split()[1:]):
+                if k in total and v.lstrip("-").isdigit():
+                    total[k] += int(v)
+    return total
+
+
+def tcp_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in TCP_KEYS}
+
+
+def tcp_line(before: dict[str, int], after: dict[str, int]) -> str:
+    """``RetransSegs 12, TCPTimeouts 0, ...`` between two :func:`tcp_counters` readings."""
+    return ", ".join(f"{k} {v}" for k, v in tcp_delta(before, after).items())
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:

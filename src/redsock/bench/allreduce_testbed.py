@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,7 +41,7 @@ from ..testbed.cluster import PROFILES, Testbed
 from ..testbed.netns import format_rate, parse_rate
 from . import report
 from .testbed_launch import (GOODPUT_FACTOR, SERVER_PORT, Proc, box_cpu, proc_status, set_congestion_control,
-                             start_ranks, start_servers, stop, tail, tcp_counters, tcp_line, wait_ranks)
+                             start_ranks, start_servers, stop, tail, tcp_counters, tcp_delta, tcp_line, wait_ranks)
 
 __all__ = ["GOODPUT_FACTOR", "add_arguments", "child_argv", "run", "summary_table"]
 
@@ -223,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
             wall = time.monotonic() - t0
             box1 = box_cpu()
             links = _link_line(links0, link_counters(tb), wall)
-            links += "\n# TCP over the run, all hosts: " + tcp_line(tcp0, tcp_counters(tb))
+            links += "\n# TCP over the run, all hosts: " + tcp_line(tcp_delta(tcp0, tcp_counters(tb)))
             for s in server_procs:  # read before they exit: the peak RSS dies with the process
                 s.info = proc_status(s.proc.pid)
                 s.info["cpu_s"] = s.info.get("cpu_s", 0.0) - cpu0.get(s.name, 0.0)  # during the run

@@ -210,9 +210,8 @@ def run(args: argparse.Namespace) -> int:
                                       file=sys.stderr)
                         raise RedsockError(f"{algo} run {rep + 1} failed: {why}")
                     result = parse_result((logdir / f"w0{tag}.log").read_text())
-                    tcp1 = tcp_counters(tb)
-                    result["tcp"] = tcp_delta(tcp0, tcp1)
-                    print(f"# TCP during the run, all hosts: {tcp_line(tcp0, tcp1)}", flush=True)
+                    result["tcp"] = tcp_delta(tcp0, tcp_counters(tb))
+                    print(f"# TCP during the run, all hosts: {tcp_line(result['tcp'])}", flush=True)
                     results[algo].append(result)
             for s in server_procs:
                 if s.proc.poll() is not None:

@@ -104,9 +104,9 @@ def tcp_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: after[k] - before[k] for k in TCP_KEYS}
 
 
-def tcp_line(before: dict[str, int], after: dict[str, int]) -> str:
-    """``RetransSegs 12, TCPTimeouts 0, ...`` between two :func:`tcp_counters` readings."""
-    return ", ".join(f"{k} {v}" for k, v in tcp_delta(before, after).items())
+def tcp_line(delta: dict[str, int]) -> str:
+    """``RetransSegs 12, TCPTimeouts 0, ...`` for a :func:`tcp_delta`."""
+    return ", ".join(f"{k} {v}" for k, v in delta.items())
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:

@@ -149,8 +149,10 @@ def main(argv: list[str] | None = None) -> None:
         path = args.save_params.replace("{rank}", str(rank))
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         torch.save({k: v.detach().clone() for k, v in model.named_parameters()}, path)
+    # Every rank leaves together: a rank that exits while a peer still reads from it can
+    # reset that peer's connection, which gloo's I/O thread answers with std::terminate.
+    dist.barrier()
     if hook_state is not None:
-        dist.barrier()
         hook_state.close()
     dist.destroy_process_group()
 

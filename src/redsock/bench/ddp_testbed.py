@@ -117,7 +117,7 @@ def summarize(results: dict[str, list[dict[str, Any]]], workers: int, servers: i
                     "final_loss": last["final_loss"], "grad_bytes": last.get("grad_bytes", 0),
                     "hosts": hosts, "host_s_per_step": hosts / sps,
                     # Retransmission timeouts over all runs: each stalls a flow >= 200 ms.
-                    "tcp_timeouts": sum(r.get("tcp", {}).get("TCPTimeouts", 0) for r in runs)})
+                    "tcp_timeouts": sum(r["tcp"]["TCPTimeouts"] for r in runs)})
     gloo = next((o for o in out if o["algo"] == "gloo"), None)
     for o in out:
         o["vs_gloo"] = o["steps_per_s"] / gloo["steps_per_s"] if gloo else None

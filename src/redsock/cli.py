@@ -15,6 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     from .bench import allreduce, ddp_testbed, floor, reproduce, soak, transport
+    from .plan import calibrate as plan_calibrate
+    from .plan import command as plan_command
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -25,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
         (bsub, "floor", floor, "what plain sockets allow here (ring traffic, reducer fan-in), next to gloo"),
         (bsub, "ddp", ddp_testbed, "DDP training steps/s on the emulated cluster: gloo, redsock ring, reducers"),
         (sub, "reproduce", reproduce, "measure the seed's claims on the emulated testbed (root): docs/results.md"),
+        (sub, "plan", plan_command, "predict every all-reduce algorithm's time at any scale; size reducers"),
+        (sub, "calibrate", plan_calibrate, "measure the plan's constants here and write a profile (JSON)"),
     ]
     for parent, name, module, help_text in commands:  # each module: add_arguments(parser), run(args)
         cmd = parent.add_parser(name, help=help_text)

@@ -1,0 +1,138 @@
+"""The model next to the lab: every all-reduce ``redsock reproduce`` measured, predicted.
+
+Reads reproduce's raw outputs (``docs/results/*.jsonl``), predicts each row's layout (hosts,
+ranks per host, reducers, link rate and goodput as the testbed recorded them) with a profile,
+and classifies each row:
+
+* ``CPU-bound``: more processes work for the series than 4 per core (reproduce's own rule,
+  counted per series: ranks, plus reducers for the reducer series).  The model still predicts
+  the link-bound time there; the shortfall measures this 2-core machine, not the network.
+* ``link-bound``: the busiest NIC accounts for at least :data:`LINK_SHARE` of the predicted
+  time.  These rows are held to :data:`TOLERANCE`.
+* ``latency-bound``: the rest (small messages): per-message costs on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..bench import reproduce
+from ..bench.report import Row, human_size
+from ..errors import ConfigError
+from . import model
+from .model import Cluster
+from .profile import Profile
+
+__all__ = ["LINK_SHARE", "TOLERANCE", "Check", "check_rows", "load_lab", "markdown"]
+
+TOLERANCE = 0.15
+LINK_SHARE = 0.9
+PROCS_PER_CORE = 4  #: reproduce flags a step CPU-bound above 4 processes per core
+#: reproduce's series -> the model's algorithm
+SERIES_ALGO = {"gloo": "gloo", "ring": "ring", "ring1": "ring", "server": "reducers", "auto": "rd"}
+
+
+@dataclass(frozen=True)
+class Check:
+    row: Row
+    series: str
+    cluster: Cluster
+    prediction: model.Prediction
+    kind: str  #: "link-bound", "CPU-bound" or "latency-bound"
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured."""
+        return self.prediction.seconds / self.row.median_s - 1
+
+    @property
+    def ok(self) -> bool | None:
+        """Within :data:`TOLERANCE` where link-bound; None (not judged) elsewhere."""
+        return abs(self.error) <= TOLERANCE if self.kind == "link-bound" else None
+
+
+def load_lab(results_dir: str | Path) -> list[Row]:
+    """Every all-reduce row of a reproduce run, tagged with its series (reproduce's own parser)."""
+    results_dir = Path(results_dir)
+    if not results_dir.is_dir():
+        raise ConfigError(f"{results_dir} is not a directory of reproduce results")
+    # reproduce's own steps name the files and say which series each algo is in them.
+    every_n = reproduce.Settings(mode="lab", sections=("allreduce", "latency"), workers=tuple(range(2, 101)))
+    known = {s.key: s for s in reproduce.make_plan(every_n, results_dir, "lab")}
+    rows: list[Row] = []
+    for path in sorted(results_dir.glob("*.jsonl")):
+        step = known.get(path.stem)
+        if step is None or step.section not in ("allreduce", "latency"):
+            continue
+        rows += reproduce.load_data(step, path)
+    if not rows:
+        raise ConfigError(f"no all-reduce results (allreduce-n*.jsonl, ...) in {results_dir}")
+    return rows
+
+
+def _layout(r: Row) -> tuple[Cluster, float]:
+    tb = r.extra.get("testbed")
+    if not tb or "rate_bps" not in tb:
+        raise ConfigError(f"row {r.label} {r.bytes} B has no testbed layout (extra.testbed)")
+    per_host = int(tb.get("ranks_per_host", 1))
+    if r.world % per_host:
+        raise ConfigError(f"row {r.label}: world {r.world} is not a multiple of {per_host} ranks per host")
+    cluster = Cluster(r.world // per_host, per_host, float(tb["rate_bps"]), int(tb.get("servers", 0)))
+    return cluster, float(tb.get("goodput_factor", reproduce.GOODPUT_FACTOR))
+
+
+def check_rows(rows: list[Row], profile: Profile, cores: int | None = None) -> list[Check]:
+    cores = cores or os.cpu_count() or 1
+    out = []
+    for r in rows:
+        series = r.extra.get("series", r.algo)
+        algo = SERIES_ALGO.get(series)
+        if algo is None or r.coll != "allreduce" or r.median_s <= 0:
+            continue
+        if algo == "rd" and r.bytes >= 64 * 1024:
+            algo = "ring"  # auto picks the ring from 64 KiB up
+        cluster, goodput = _layout(r)
+        p = profile if goodput == profile.goodput_factor else _with(profile, goodput_factor=goodput)
+        pred = model.predict(algo, cluster, r.bytes, p)
+        procs = r.world + (cluster.reducers if algo == "reducers" else 0)
+        if procs > PROCS_PER_CORE * cores:
+            kind = "CPU-bound"
+        elif pred.link_share >= LINK_SHARE:
+            kind = "link-bound"
+        else:
+            kind = "latency-bound"
+        out.append(Check(r, series, cluster, pred, kind))
+    return out
+
+
+def _with(p: Profile, **changes: Any) -> Profile:
+    import dataclasses
+
+    return dataclasses.replace(p, **changes)
+
+
+def _t(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s >= 1e-2 else f"{s * 1e6:.0f} us"
+
+
+def markdown(checks: list[Check]) -> str:
+    """The comparison table (one row per measured point) and a one-line verdict."""
+    labels = reproduce.SERIES_LABELS
+    lines = ["| N | reducers | size | series | measured | predicted | error | bottleneck (model) | class | within 15% |",
+             "|---:|---:|---:|:---|---:|---:|---:|:---|:---|:---:|"]
+    for c in sorted(checks, key=lambda c: (c.row.world, c.row.bytes, list(labels).index(c.series)
+                                           if c.series in labels else 99)):
+        verdict = {True: "yes", False: "**no**", None: "-"}[c.ok]
+        red = c.cluster.reducers if c.prediction.algo == "reducers" else 0
+        lines.append(f"| {c.row.world} | {red} | {human_size(c.row.bytes)} | {labels.get(c.series, c.series)} | "
+                     f"{_t(c.row.median_s)} | {_t(c.prediction.seconds)} | {c.error:+.1%} | "
+                     f"{c.prediction.bottleneck} | {c.kind} | {verdict} |")
+    judged = [c for c in checks if c.ok is not None]
+    good = sum(1 for c in judged if c.ok)
+    lines += ["", f"Link-bound points within {TOLERANCE:.0%}: {good} of {len(judged)}; "
+              f"CPU-bound points: {sum(c.kind == 'CPU-bound' for c in checks)}; "
+              f"latency-bound points: {sum(c.kind == 'latency-bound' for c in checks)}."]
+    return "\n".join(lines)

@@ -1,0 +1,304 @@
+"""Time of one all-reduce of S bytes on H hosts with L ranks each, per algorithm.
+
+The model is a pipeline bound: an algorithm's time is its per-message latency plus the
+slowest of the resources every byte must pass through, each taking its bytes at its own
+rate, because pieces stream through all of them at once::
+
+    T = steps x per-step latency + max_r (bytes through r / rate of r)  [+ pipeline fill]
+
+Resources: the host NIC (each way; payload rate = line rate x goodput factor), a rank's
+reduction (numpy add), a rank's in-host traffic (shared memory, or TCP loopback for gloo),
+a reducer's NIC and a reducer's CPU.  Bytes per host NIC follow DESIGN.md section 7:
+flat ring 2S(N-1)/N, hierarchical ring 2S(H-1)/H, flat reducers L*S, hierarchical reducers S.
+Hierarchical algorithms run three phases one after another (in-host reduce-scatter, the
+inter-host algorithm on S/L per rank, in-host all-gather), so their phases add up.
+
+Recursive doubling is not pipelined: each of its rounds sends the whole buffer and waits,
+so its rounds add up, each bound by the busiest host NIC in that round.
+
+What the model leaves out, on purpose: propagation delay beyond the per-step latency,
+congestion and incast losses, stragglers, and the CPU of processes that share too few cores
+(the lab's CPU-bound layouts): there it predicts the link-bound time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from ..errors import ConfigError
+from .profile import Profile
+
+__all__ = ["ALGORITHMS", "LABELS", "REDUCER_ALGORITHMS", "Cluster", "Prediction", "applicable", "ddp_step_s",
+           "fewest_reducers", "gradient_sync_s", "predict", "predict_all"]
+
+#: Algorithm keys, in display order, with their labels.
+LABELS = {
+    "gloo": "gloo ring",
+    "ring": "redsock ring",
+    "rd": "recursive doubling",
+    "hring": "hierarchical ring",
+    "reducers": "reducers",
+    "hreducers": "hierarchical reducers",
+}
+ALGORITHMS = tuple(LABELS)
+REDUCER_ALGORITHMS = ("reducers", "hreducers")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A layout: ``hosts`` x ``ranks_per_host`` ranks, each host one NIC of ``link_bps`` (bits
+    per second, each way); ``reducers`` reducer hosts with ``reducer_link_bps`` each (default:
+    the workers' rate) on NICs of their own, each with ``reducer_cores`` cores its work spreads
+    over (that many ``redsock serve`` processes on the host, or summing threads)."""
+
+    hosts: int
+    ranks_per_host: int
+    link_bps: float
+    reducers: int = 0
+    reducer_link_bps: float | None = None
+    reducer_cores: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hosts, int) or self.hosts < 1:
+            raise ConfigError(f"hosts must be a whole number >= 1, got {self.hosts!r}")
+        if not isinstance(self.ranks_per_host, int) or self.ranks_per_host < 1:
+            raise ConfigError(f"ranks per host must be a whole number >= 1, got {self.ranks_per_host!r}")
+        if self.world < 2:
+            raise ConfigError("an all-reduce needs at least 2 ranks (hosts x ranks per host)")
+        if not self.link_bps > 0:
+            raise ConfigError(f"link rate must be > 0, got {self.link_bps!r}")
+        if not isinstance(self.reducers, int) or self.reducers < 0:
+            raise ConfigError(f"reducers must be a whole number >= 0, got {self.reducers!r}")
+        if self.reducer_link_bps is not None and not self.reducer_link_bps > 0:
+            raise ConfigError(f"reducer link rate must be > 0, got {self.reducer_link_bps!r}")
+        if not isinstance(self.reducer_cores, int) or self.reducer_cores < 1:
+            raise ConfigError(f"reducer cores must be a whole number >= 1, got {self.reducer_cores!r}")
+
+    @property
+    def world(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+    @property
+    def reducer_bps(self) -> float:
+        return self.link_bps if self.reducer_link_bps is None else self.reducer_link_bps
+
+    def with_reducers(self, m: int) -> "Cluster":
+        return dataclasses.replace(self, reducers=m)
+
+    def with_hosts(self, h: int) -> "Cluster":
+        return dataclasses.replace(self, hosts=h)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    algo: str
+    nbytes: int
+    world: int
+    seconds: float
+    latency_s: float  #: steps x per-step latency (every phase)
+    #: seconds each resource needs for its bytes (the largest of a phase bounds that phase)
+    terms: dict[str, float] = field(default_factory=dict)
+    nic_bytes: float = 0.0  #: bytes through one worker host's NIC, each way
+
+    @property
+    def bottleneck(self) -> str:
+        """The resource that bounds the time: the largest term, or ``latency``."""
+        if not self.terms or self.latency_s >= max(self.terms.values()):
+            return "latency"
+        return max(self.terms, key=self.terms.__getitem__)
+
+    @property
+    def link_share(self) -> float:
+        """Fraction of the time the busiest NIC (a host's or a reducer's) alone accounts for."""
+        nic = max((v for k, v in self.terms.items() if k.endswith("NIC")), default=0.0)
+        return nic / self.seconds if self.seconds else 0.0
+
+    @property
+    def algbw_GBps(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+    @property
+    def busbw_GBps(self) -> float:
+        return self.algbw_GBps * 2 * (self.world - 1) / self.world
+
+    def to_json(self) -> dict:
+        return {"algo": self.algo, "label": LABELS[self.algo], "bytes": self.nbytes, "world": self.world,
+                "seconds": self.seconds, "latency_s": self.latency_s, "bottleneck": self.bottleneck,
+                "nic_bytes": self.nic_bytes, "terms": dict(self.terms),
+                "algbw_GBps": self.algbw_GBps, "busbw_GBps": self.busbw_GBps}
+
+
+def _goodput(bps: float, p: Profile) -> float:
+    return bps * p.goodput_factor / 8
+
+
+def _ring(c: Cluster, s: float, p: Profile, step_s: float, in_host_Bps: float) -> tuple[float, dict, float]:
+    """Flat ring over all N ranks, placed consecutively: one ring edge per host crosses the NIC."""
+    n, L = c.world, c.ranks_per_host
+    per_rank = 2 * s * (n - 1) / n
+    nic = per_rank if c.hosts > 1 else 0.0
+    terms = {"reduce": s * (n - 1) / n / p.reduce_Bps}
+    if nic:
+        terms["host NIC"] = nic / _goodput(c.link_bps, p)
+    if L > 1:
+        terms["in-host"] = per_rank / in_host_Bps
+    return 2 * (n - 1) * step_s, terms, nic
+
+
+@lru_cache(maxsize=4096)
+def _rd_crossings(hosts: int, L: int) -> tuple[tuple[int, ...], int]:
+    """Recursive doubling on N = hosts x L consecutive ranks: per round, the most ranks of one
+    host whose partner is on another host; and the same for the fold-in of ranks >= 2^k."""
+    n = hosts * L
+    p2 = 1 << (n.bit_length() - 1)
+    rounds = []
+    mask = 1
+    while mask < p2:
+        per_host = [0] * hosts
+        for r in range(p2):
+            if r // L != (r ^ mask) // L:
+                per_host[r // L] += 1
+        rounds.append(max(per_host))
+        mask <<= 1
+    fold = [0] * hosts
+    for r in range(p2, n):  # r sends to r - p2, and gets the result back from it
+        if r // L != (r - p2) // L:
+            fold[r // L] += 1
+            fold[(r - p2) // L] += 1
+    return tuple(rounds), max(fold)
+
+
+def _recursive_doubling(c: Cluster, s: float, p: Profile) -> tuple[float, dict, float, float]:
+    """Rounds add up (each waits for the last); returns (latency, terms, nic bytes, bandwidth time)."""
+    rounds, fold = _rd_crossings(c.hosts, c.ranks_per_host)
+    g = _goodput(c.link_bps, p)
+    nic_total = sum(rounds) * s + 2 * fold * s
+    in_host = s / p.intra_Bps if c.ranks_per_host > 1 else 0.0
+    reduce = s / p.reduce_Bps
+    bw = sum(max(k * s / g, in_host, reduce) for k in rounds)
+    steps = len(rounds)
+    if fold or c.world != 1 << (c.world.bit_length() - 1):
+        steps += 2
+        bw += 2 * max(fold * s / g, in_host)
+    terms = {"host NIC": nic_total / g, "reduce": len(rounds) * reduce}
+    if in_host:
+        terms["in-host"] = (len(rounds) + 2) * in_host
+    return steps * p.redsock_step_s, terms, nic_total, bw
+
+
+def _reducers(c: Cluster, s: float, p: Profile, senders_per_host: int, per_sender: float,
+              contributions: int) -> tuple[float, dict, float, float]:
+    """Every sender sends its ``per_sender`` bytes to the reducers once and gets them back once;
+    the M reducers share ``contributions`` x S bytes each way.  Returns (latency, terms, nic, fill)."""
+    m = c.reducers
+    if m < 1:
+        raise ConfigError("the reducer algorithms need --reducers >= 1")
+    nic = senders_per_host * per_sender
+    per_reducer = contributions * s / m
+    terms = {
+        "host NIC": nic / _goodput(c.link_bps, p),
+        "reducer NIC": per_reducer / _goodput(c.reducer_bps, p),
+        "reducer CPU": per_reducer * p.reducer_cpu_s_per_byte / c.reducer_cores,
+    }
+    # The last piece is summed only once all of it is in, then sent back: one piece not overlapped.
+    piece = min(p.piece_bytes, per_sender)
+    fill = piece / _goodput(min(c.link_bps, c.reducer_bps), p)
+    return 2 * p.reducer_hop_s, terms, nic, fill
+
+
+def _in_host_phases(c: Cluster, s: float, p: Profile) -> tuple[float, float]:
+    """In-host reduce-scatter + all-gather through shared memory: (latency, bandwidth time)."""
+    L = c.ranks_per_host
+    if L == 1:
+        return 0.0, 0.0
+    moved = 2 * s * (L - 1) / L  # each rank: (L-1)/L of S in per phase
+    return 2 * (L - 1) * p.redsock_step_s, moved / p.intra_Bps + s * (L - 1) / L / p.reduce_Bps
+
+
+def predict(algo: str, c: Cluster, nbytes: int, p: Profile) -> Prediction:
+    """Predicted time of one all-reduce of ``nbytes`` with ``algo`` (a key of :data:`LABELS`)."""
+    if nbytes < 1:
+        raise ConfigError(f"bytes must be >= 1, got {nbytes}")
+    s = float(nbytes)
+    if algo in ("gloo", "ring"):
+        # gloo's in-host edges are TCP over loopback; redsock's use shared memory.
+        step, in_host = (p.gloo_step_s, p.loopback_Bps) if algo == "gloo" else (p.redsock_step_s, p.intra_Bps)
+        lat, terms, nic = _ring(c, s, p, step, in_host)
+        return Prediction(algo, nbytes, c.world, lat + max(terms.values()), lat, terms, nic)
+    if algo == "rd":
+        lat, terms, nic, bw = _recursive_doubling(c, s, p)
+        return Prediction(algo, nbytes, c.world, lat + bw, lat, terms, nic)
+    if algo == "reducers":
+        lat, terms, nic, fill = _reducers(c, s, p, c.ranks_per_host, s, c.world)
+        terms["reduce"] = 0.0
+        return Prediction(algo, nbytes, c.world, lat + max(terms.values()) + fill, lat, terms, nic)
+    if algo in ("hring", "hreducers"):
+        L = c.ranks_per_host
+        lat_in, t_in = _in_host_phases(c, s, p)
+        if algo == "hring":
+            # L rings of H ranks (one per local rank, each on its S/L share) share the host NIC:
+            # together they move what one ring of H ranks on S would.
+            lat, terms, nic, t_mid = 0.0, {}, 0.0, 0.0
+            if c.hosts > 1:
+                lat, terms, nic = _ring(Cluster(c.hosts, 1, c.link_bps), s, p, p.redsock_step_s, p.intra_Bps)
+                terms["reduce"] /= L
+                t_mid = max(terms.values())
+        else:
+            lat, terms, nic, fill = _reducers(c, s, p, L, s / L, c.hosts)
+            t_mid = max(terms.values()) + fill
+        if L > 1:
+            terms["in-host"] = t_in
+        latency = lat + lat_in
+        return Prediction(algo, nbytes, c.world, latency + t_mid + t_in, latency, terms, nic)
+    raise ConfigError(f"unknown algorithm {algo!r}; choose from {', '.join(ALGORITHMS)}")
+
+
+def applicable(algo: str, c: Cluster) -> bool:
+    """Reducer algorithms need reducers; hierarchical ones differ from flat only with L > 1."""
+    if algo in REDUCER_ALGORITHMS and c.reducers < 1:
+        return False
+    if algo in ("hring", "hreducers") and c.ranks_per_host == 1:
+        return False
+    return True
+
+
+def predict_all(c: Cluster, nbytes: int, p: Profile) -> list[Prediction]:
+    return [predict(a, c, nbytes, p) for a in ALGORITHMS if applicable(a, c)]
+
+
+def fewest_reducers(algo: str, c: Cluster, nbytes: int, p: Profile, within: float = 0.01,
+                    limit: int = 1 << 20) -> tuple[int, Prediction]:
+    """The fewest reducers with which ``algo`` is within ``within`` (a fraction) of the time it
+    reaches with unlimited reducers; time does not grow with M, so a binary search finds it."""
+    if algo not in REDUCER_ALGORITHMS:
+        raise ConfigError(f"{algo!r} uses no reducers")
+    best = predict(algo, c.with_reducers(limit), nbytes, p).seconds
+    goal = best * (1 + within) * (1 + 1e-12)
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if predict(algo, c.with_reducers(mid), nbytes, p).seconds <= goal:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, predict(algo, c.with_reducers(lo), nbytes, p)
+
+
+def ddp_step_s(comm_s: float, compute_s: float, overlap: float) -> float:
+    """One training step: compute and gradient all-reduces, ``overlap`` in [0, 1] of the shorter
+    hidden behind the longer (DDP overlaps buckets with the backward pass; 0 = none)."""
+    if not 0 <= overlap <= 1:
+        raise ConfigError(f"overlap must be in [0, 1], got {overlap}")
+    return max(comm_s, compute_s) + (1 - overlap) * min(comm_s, compute_s)
+
+
+def gradient_sync_s(algo: str, c: Cluster, model_bytes: int, bucket_bytes: int, p: Profile) -> float:
+    """All-reduces of one step's gradients in DDP buckets of ``bucket_bytes``."""
+    if bucket_bytes < 1:
+        raise ConfigError("bucket size must be >= 1 byte")
+    full, rest = divmod(model_bytes, bucket_bytes)
+    t = full * predict(algo, c, bucket_bytes, p).seconds if full else 0.0
+    return t + (predict(algo, c, rest, p).seconds if rest else 0.0)
+

@@ -1,0 +1,208 @@
+"""redsock plan: the model against closed forms (DESIGN.md section 7's bytes per host NIC,
+reproduce's link bounds), reducer sizing, DDP steps/s and cost, profiles, the command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from redsock.bench.report import Row
+from redsock.cli import main
+from redsock.errors import ConfigError
+from redsock.plan import DEFAULT, Cluster, Profile, fewest_reducers, load_profile, predict, predict_all
+from redsock.plan import lab, model
+from redsock.plan.command import make_plan, plot_scaling
+
+S = 64 << 20
+G = 100e9
+# A profile in which only the links cost anything: the time is the NIC bytes over goodput.
+LINKS_ONLY = dataclasses.replace(DEFAULT, gloo_step_s=1e-12, redsock_step_s=1e-12, reducer_hop_s=1e-12,
+                                 reducer_cpu_s_per_byte=1e-30, reduce_Bps=1e30, intra_Bps=1e30,
+                                 loopback_Bps=1e30, piece_bytes=1)
+
+
+def goodput(bps: float, p: Profile = DEFAULT) -> float:
+    return bps * p.goodput_factor / 8
+
+
+@pytest.mark.parametrize("hosts,L", [(2, 1), (4, 1), (8, 1), (4, 2), (3, 4), (16, 8)])
+def test_bytes_per_host_nic_follow_the_contract(hosts: int, L: int) -> None:
+    n = hosts * L
+    c = Cluster(hosts, L, G, reducers=4)
+    by = {p.algo: p for p in predict_all(c, S, DEFAULT)}
+    assert by["gloo"].nic_bytes == pytest.approx(2 * S * (n - 1) / n)
+    assert by["ring"].nic_bytes == pytest.approx(2 * S * (n - 1) / n)
+    assert by["reducers"].nic_bytes == pytest.approx(L * S)
+    if L > 1:
+        assert by["hring"].nic_bytes == pytest.approx(2 * S * (hosts - 1) / hosts)
+        assert by["hreducers"].nic_bytes == pytest.approx(S)
+    else:
+        assert "hring" not in by and "hreducers" not in by
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_link_bound_times_are_reproduces_bounds(n: int) -> None:
+    rate = 1e9
+    c = Cluster(n, 1, rate, reducers=n)
+    ring = predict("gloo", c, S, LINKS_ONLY)
+    red = predict("reducers", c, S, LINKS_ONLY)
+    assert ring.seconds == pytest.approx(2 * S * (n - 1) / n / goodput(rate), rel=1e-9)
+    assert red.seconds == pytest.approx(S / goodput(rate), rel=1e-6)
+    assert ring.seconds / red.seconds == pytest.approx(2 * (n - 1) / n, rel=1e-6)  # the ideal speed-up
+    assert ring.bottleneck == red.bottleneck == "host NIC"
+
+
+def test_latency_terms_count_steps() -> None:
+    p = dataclasses.replace(DEFAULT, gloo_step_s=1e-3, redsock_step_s=2e-3, reducer_hop_s=5e-3)
+    for n, rd_steps in [(2, 1), (4, 2), (8, 3), (6, 2 + 2), (5, 2 + 2)]:
+        c = Cluster(n, 1, G, reducers=2)
+        assert predict("gloo", c, 8, p).latency_s == pytest.approx(2 * (n - 1) * 1e-3)
+        assert predict("rd", c, 8, p).latency_s == pytest.approx(rd_steps * 2e-3)
+        assert predict("reducers", c, 8, p).latency_s == pytest.approx(2 * 5e-3)  # 2 hops whatever N
+
+
+@pytest.mark.parametrize("hosts,L", [(4, 2), (8, 4), (16, 1), (6, 1), (3, 2)])
+def test_recursive_doubling_crossings_brute_force(hosts: int, L: int) -> None:
+    n = hosts * L
+    p2 = 1 << (n.bit_length() - 1)
+    rounds, fold = model._rd_crossings(hosts, L)  # noqa: SLF001
+    assert len(rounds) == int(math.log2(p2))
+    if L & (L - 1) == 0 and n == p2:  # powers of two: log2(H) rounds cross, each with all L ranks
+        assert sum(rounds) == L * int(math.log2(hosts))
+    pred = predict("rd", Cluster(hosts, L, G), S, LINKS_ONLY)
+    assert pred.nic_bytes == pytest.approx(S * (sum(rounds) + 2 * fold))
+
+
+def test_seed_example_sizes_reducers_like_vertex() -> None:
+    """5 hosts x 100 Gbit/s, 32 Gbit/s reducers: reducers' total >= workers' total -> 16."""
+    c = Cluster(5, 8, 100e9, reducer_link_bps=32e9)
+    for algo in ("hreducers", "reducers"):
+        m, pred = fewest_reducers(algo, c, S, LINKS_ONLY, within=0.0)
+        assert m == math.ceil(5 * (100e9 if algo == "hreducers" else 100e9) / 32e9) == 16
+        assert predict(algo, c.with_reducers(m - 1), S, LINKS_ONLY).seconds > pred.seconds
+
+
+def test_time_never_grows_with_reducers() -> None:
+    c = Cluster(8, 4, 100e9, reducer_link_bps=25e9)
+    times = [predict("hreducers", c.with_reducers(m), S, DEFAULT).seconds for m in range(1, 80)]
+    assert all(a >= b for a, b in zip(times, times[1:]))
+
+
+def test_ddp_step_and_cost() -> None:
+    assert model.ddp_step_s(0.3, 0.2, 0.0) == pytest.approx(0.5)
+    assert model.ddp_step_s(0.3, 0.2, 1.0) == pytest.approx(0.3)
+    assert model.ddp_step_s(0.3, 0.2, 0.5) == pytest.approx(0.4)
+    with pytest.raises(ConfigError):
+        model.ddp_step_s(0.3, 0.2, 1.5)
+    c = Cluster(4, 1, 1e9, reducers=4)
+    bucket = 25 << 20
+    total = 2 * bucket + 1000
+    sync = model.gradient_sync_s("gloo", c, total, bucket, DEFAULT)
+    assert sync == pytest.approx(2 * predict("gloo", c, bucket, DEFAULT).seconds
+                                 + predict("gloo", c, 1000, DEFAULT).seconds)
+    from redsock.plan.command import Costs, Training
+
+    plan = make_plan(c, S, DEFAULT, Training(total, 0.1), Costs(2.0, 0.5))
+    rows = {r["algo"]: r for r in plan.ddp_rows()}
+    red = rows["reducers"]
+    assert red["cost_per_step"] == pytest.approx((4 * 2.0 + 4 * 0.5) / 3600 * red["step_s"])
+    assert rows["gloo"]["speedup_vs_gloo"] == 1.0
+    assert red["speedup_vs_gloo"] == pytest.approx(rows["gloo"]["step_s"] / red["step_s"])
+
+
+def test_bad_layouts_are_refused() -> None:
+    for kw in ({"hosts": 0}, {"ranks_per_host": 0}, {"link_bps": 0}, {"reducers": -1},
+               {"reducer_link_bps": -5.0}, {"reducer_cores": 0}):
+        args = {"hosts": 4, "ranks_per_host": 1, "link_bps": G, **kw}
+        with pytest.raises(ConfigError):
+            Cluster(**args)
+    with pytest.raises(ConfigError, match="at least 2 ranks"):
+        Cluster(1, 1, G)
+    with pytest.raises(ConfigError, match="reducers >= 1"):
+        predict("reducers", Cluster(4, 1, G), S, DEFAULT)
+    with pytest.raises(ConfigError, match="unknown algorithm"):
+        predict("butterfly", Cluster(4, 1, G), S, DEFAULT)
+    with pytest.raises(ConfigError):
+        predict("gloo", Cluster(4, 1, G), 0, DEFAULT)
+
+
+def test_profile_round_trip_and_errors(tmp_path: Path) -> None:
+    p = dataclasses.replace(DEFAULT, reduce_Bps=1.5e9, source="test")
+    path = p.save(tmp_path / "p.json")
+    assert load_profile(path) == p
+    assert load_profile(None) == DEFAULT
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"version": 1, "redsock_step_s": 1e-5}))
+    assert load_profile(partial) == dataclasses.replace(DEFAULT, redsock_step_s=1e-5)
+    for text, msg in [("{", "not JSON"), ('{"bogus": 1}', "unknown field"), ('{"reduce_Bps": -1}', "positive"),
+                      ('{"version": 9}', "version"), ('{"goodput_factor": 1.5}', "goodput")]:
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(ConfigError, match=msg):
+            load_profile(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_plan_command_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--hosts", "4", "--link", "1gbit", "--bytes", "64M", "--json", "-"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"]["world"] == 4 and out["fewest_reducers"]["algo"] == "reducers"
+    algos = [p["algo"] for p in out["predictions"]]
+    assert algos == ["gloo", "ring", "rd", "reducers"]
+    gloo = out["predictions"][0]
+    assert gloo["seconds"] == pytest.approx(predict("gloo", Cluster(4, 1, 1e9), S, DEFAULT).seconds)
+
+
+def test_plan_command_tables_ddp_and_costs(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--hosts", "5", "--ranks-per-host", "8", "--link", "100gbit", "--reducer-link", "32gbit",
+            "--model-bytes", "1G", "--step-compute-ms", "200", "--price-host", "30", "--price-reducer", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for text in ("hierarchical reducers", "steps/s", "cost / step", "reducers reach"):
+        assert text in out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--hosts", "0", "--link", "1gbit"], "hosts"),
+    (["--hosts", "4", "--link", "100gbps"], "bad rate"),
+    (["--hosts", "4", "--link", "1gbit", "--bytes", "lots"], ""),
+    (["--hosts", "4", "--link", "1gbit", "--model-bytes", "1G"], "go together"),
+    (["--hosts", "4", "--link", "1gbit", "--price-host", "3"], "needs a step"),
+    (["--hosts", "4", "--link", "1gbit", "--set", "warp=9"], "NAME=VALUE"),
+    (["--hosts", "4", "--link", "1gbit", "--set", "intra_Bps=-1"], "> 0"),
+    (["--hosts", "4", "--link", "1gbit", "--profile", "/nonexistent.json"], "cannot read"),
+])
+def test_plan_command_errors(argv: list[str], msg: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", *argv]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_plot_scaling(tmp_path: Path) -> None:
+    path = plot_scaling(Cluster(8, 8, 100e9, reducer_link_bps=32e9), S, DEFAULT, tmp_path / "s.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _row(series: str, world: int, nbytes: int, seconds: float, servers: int = 0) -> Row:
+    algo = {"ring1": "ring"}.get(series, series)
+    return Row("redsock", algo, world, nbytes, nbytes // 4, "float32", "sum", seconds, seconds, seconds,
+               nbytes / seconds / 1e9, 0.0, extra={"series": series, "testbed": {
+                   "rate_bps": 1e9, "servers": servers, "goodput_factor": 0.956}})
+
+
+def test_lab_classifies_and_judges() -> None:
+    link = predict("gloo", Cluster(4, 1, 1e9), S, DEFAULT).seconds
+    rows = [_row("gloo", 4, S, link * 1.05),  # link-bound, 5% off: within 15%
+            _row("server", 4, S, link * 2, servers=4),  # link-bound, far off: a miss
+            _row("server", 8, S, 1.0, servers=8),  # 16 processes on 2 cores: CPU-bound, not judged
+            _row("auto", 4, 8, 1e-3)]  # 8 bytes: latency-bound, not judged
+    checks = lab.check_rows(rows, DEFAULT, cores=2)
+    assert [c.kind for c in checks] == ["link-bound", "link-bound", "CPU-bound", "latency-bound"]
+    assert [c.ok for c in checks] == [True, False, None, None]
+    assert checks[0].error == pytest.approx(1 / 1.05 - 1)
+    assert checks[3].prediction.algo == "rd"
+    text = lab.markdown(checks)
+    assert "Link-bound points within 15%: 1 of 2" in text

@@ -10,7 +10,7 @@ bench ... --json FILE``), on loopback, so no root is needed:
   all-reduce sweep, divided by the contribution bytes it received;
 * TCP loopback bandwidth of one flow (``bench transport --local``, one plain socket, 64 MiB);
 * a rank's reduction and shared-memory copy rates: numpy (redsock's own reduction kernel,
-  :func:`redsock.ops.combine`, and two copies through memory) timed in this process.
+  :func:`redsock.ops.combine`, and one copy) on 16 MiB arrays, timed in this process.
 
 The link goodput factor is not measured here (loopback has no line rate): it stays that of
 the testbed's shaped links, 0.956, unless ``--goodput`` gives another.
@@ -114,18 +114,12 @@ def _rate(fn: Any, nbytes: int, reps: int) -> float:
 
 
 def memory_rates(nbytes: int = 16 * _MiB, reps: int = 9) -> tuple[float, float]:
-    """(reduce_Bps, intra_Bps): redsock's float32 sum kernel, and a copy into and out of a
-    shared buffer (what one rank's in-host traffic costs), on ``nbytes`` arrays."""
+    """(reduce_Bps, intra_Bps): redsock's float32 sum kernel, and one copy into a buffer
+    (what a rank's copy into or out of shared memory costs), on ``nbytes`` arrays."""
     acc = np.ones(nbytes // 4, np.float32)
     other = np.ones_like(acc)
-    shared = np.empty_like(acc)
     reduce_Bps = _rate(lambda: ops.combine(acc, other, ops.ReduceOp.SUM), nbytes, reps)
-
-    def through_shared() -> None:
-        np.copyto(shared, other)
-        np.copyto(acc, shared)
-
-    return reduce_Bps, _rate(through_shared, nbytes, reps)
+    return reduce_Bps, _rate(lambda: np.copyto(acc, other), nbytes, reps)
 
 
 def measure(workdir: Path, quick: bool = False, timeout_s: float = 300.0,
@@ -142,9 +136,9 @@ def measure(workdir: Path, quick: bool = False, timeout_s: float = 300.0,
     raw["small_8B_s"], raw["gloo_8B_s"] = _median_s(rows, "small", 8), _median_s(rows, "gloo", 8)
 
     log("calibrate: TCP loopback, one plain socket, 64 MiB messages")
-    rows = _bench(["transport", "--local", "--sizes", "64M", "--impl", "plain", "--iters", "2" if quick else "4",
+    rows = _bench(["transport", "--local", "--sizes", "64M", "--impl", "redsock,plain", "--iters", "2" if quick else "4",
                    "--reps", "2" if quick else "3", "--pingpong-max", "0"], workdir / "loopback.jsonl", timeout_s)
-    tput = [r for r in rows if r["mode"] == "throughput"]
+    tput = [r for r in rows if r["mode"] == "throughput" and r["impl"] == "plain"]
     if not tput:
         raise RedsockError("calibrate: the transport benchmark reported no throughput row")
     raw["loopback_gbps"] = max(r["gbps"] for r in tput)

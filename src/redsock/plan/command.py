@@ -279,9 +279,9 @@ def apply_overrides(profile: Profile, sets: list[str] | None) -> Profile:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hosts", type=int, required=True, help="worker hosts H")
+    p.add_argument("--hosts", type=int, help="worker hosts H (required unless --lab)")
     p.add_argument("--ranks-per-host", type=int, default=1, metavar="L", help="ranks (GPUs) per host (default 1)")
-    p.add_argument("--link", required=True, metavar="RATE", help="each worker host's NIC, e.g. 100gbit")
+    p.add_argument("--link", metavar="RATE", help="each worker host's NIC, e.g. 100gbit (required unless --lab)")
     p.add_argument("--reducers", type=int, default=0, metavar="M",
                    help="reducer hosts (default: the fewest that reach the best time)")
     p.add_argument("--reducer-link", metavar="RATE", help="each reducer's NIC (default: as --link)")
@@ -299,6 +299,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share 0..1 of the shorter of compute and gradient sync hidden behind the longer")
     g.add_argument("--price-host", type=float, metavar="PER_HOUR", help="price of a worker host per hour")
     g.add_argument("--price-reducer", type=float, metavar="PER_HOUR", help="price of a reducer host per hour")
+    p.add_argument("--lab", metavar="DIR",
+                   help="instead: predict every all-reduce `redsock reproduce` measured (its results/ DIR), "
+                        "next to the measurement (markdown)")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write the plan as JSON ('-': standard output, no tables)")
     o.add_argument("--plot", metavar="FILE.png", help="plot time against hosts (8..1024) per algorithm")
@@ -309,6 +312,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
+    if args.hosts is None or args.link is None:
+        raise ConfigError("give --hosts and --link (or --lab DIR)")
     cluster = Cluster(args.hosts, args.ranks_per_host, parse_rate(args.link), args.reducers,
                       parse_rate(args.reducer_link) if args.reducer_link else None, args.reducer_cores)
     nbytes = _size(args.bytes, "--bytes")
@@ -335,6 +340,13 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.lab:
+        from . import lab
+
+        profile = apply_overrides(load_profile(args.profile), args.set)
+        print(f"profile: {profile.source}\n")
+        print(lab.markdown(lab.check_rows(lab.load_lab(args.lab), profile)))
+        return 0
     plan = plan_from_args(args)
     if args.emit == "k8s":
         from .k8s import file_yaml, manifests_from_args, to_yaml

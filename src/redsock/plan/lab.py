@@ -10,23 +10,29 @@ and classifies each row:
 * ``link-bound``: the busiest NIC accounts for at least :data:`LINK_SHARE` of the predicted
   time.  These rows are held to :data:`TOLERANCE`.
 * ``latency-bound``: the rest (small messages): per-message costs on 2 shared cores.
+
+For the reducer series the table also gives the time the reducers' CPU work alone (the
+profile's per-byte cost x every contribution) needs on the lab's shared cores: where it
+approaches the link-bound time, the lab cannot show the link-bound figure.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..bench import reproduce
+from ..bench import report
 from ..bench.report import Row, human_size
 from ..errors import ConfigError
 from . import model
 from .model import Cluster
 from .profile import Profile
 
-__all__ = ["LINK_SHARE", "TOLERANCE", "Check", "check_rows", "load_lab", "markdown"]
+__all__ = ["LINK_SHARE", "TOLERANCE", "Check", "check_rows", "load_lab", "markdown", "summary"]
 
 TOLERANCE = 0.15
 LINK_SHARE = 0.9
@@ -42,6 +48,9 @@ class Check:
     cluster: Cluster
     prediction: model.Prediction
     kind: str  #: "link-bound", "CPU-bound" or "latency-bound"
+    #: reducer series: seconds the reducers' CPU work (profile's per-byte cost) takes on the
+    #: lab's shared cores alone, for comparison with the link-bound prediction (0 otherwise)
+    shared_cpu_s: float = 0.0
 
     @property
     def error(self) -> float:
@@ -65,9 +74,18 @@ def load_lab(results_dir: str | Path) -> list[Row]:
     rows: list[Row] = []
     for path in sorted(results_dir.glob("*.jsonl")):
         step = known.get(path.stem)
-        if step is None or step.section not in ("allreduce", "latency"):
+        if step is not None:
+            if step.section in ("allreduce", "latency"):
+                rows += reproduce.load_data(step, path)
             continue
-        rows += reproduce.load_data(step, path)
+        # Another benchmark's rows (e.g. several ranks per host): all-reduce rows with a testbed
+        # layout count, their algo naming the series.
+        try:
+            found = report.read_json(path)
+        except (ConfigError, KeyError, TypeError, ValueError):
+            continue  # not all-reduce rows (transport, DDP)
+        rows += [dataclasses.replace(r, extra={**r.extra, "series": r.extra.get("series", r.algo)})
+                 for r in found if r.coll == "allreduce" and "testbed" in r.extra and "perflow" not in path.stem]
     if not rows:
         raise ConfigError(f"no all-reduce results (allreduce-n*.jsonl, ...) in {results_dir}")
     return rows
@@ -104,13 +122,12 @@ def check_rows(rows: list[Row], profile: Profile, cores: int | None = None) -> l
             kind = "link-bound"
         else:
             kind = "latency-bound"
-        out.append(Check(r, series, cluster, pred, kind))
+        shared = (r.world * r.bytes * p.reducer_cpu_s_per_byte / cores) if algo == "reducers" else 0.0
+        out.append(Check(r, series, cluster, pred, kind, shared))
     return out
 
 
 def _with(p: Profile, **changes: Any) -> Profile:
-    import dataclasses
-
     return dataclasses.replace(p, **changes)
 
 
@@ -118,18 +135,43 @@ def _t(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s >= 1e-2 else f"{s * 1e6:.0f} us"
 
 
-def markdown(checks: list[Check]) -> str:
-    """The comparison table (one row per measured point) and a one-line verdict."""
+def summary(checks: list[Check]) -> str:
+    """Per layout (N, ranks per host, series), its largest measured size: the headline table."""
     labels = reproduce.SERIES_LABELS
-    lines = ["| N | reducers | size | series | measured | predicted | error | bottleneck (model) | class | within 15% |",
-             "|---:|---:|---:|:---|---:|---:|---:|:---|:---|:---:|"]
-    for c in sorted(checks, key=lambda c: (c.row.world, c.row.bytes, list(labels).index(c.series)
-                                           if c.series in labels else 99)):
+    biggest: dict[tuple[int, int, str], Check] = {}
+    for c in checks:
+        key = (c.row.world, c.cluster.ranks_per_host, c.series)
+        if key not in biggest or c.row.bytes > biggest[key].row.bytes:
+            biggest[key] = c
+    lines = ["| hosts x ranks/host | reducers | series | size | measured | predicted | error | class | within 15% |",
+             "|:---|---:|:---|---:|---:|---:|---:|:---|:---:|"]
+    order = list(labels)
+    for key in sorted(biggest, key=lambda k: (k[0], k[1], order.index(k[2]) if k[2] in order else 99)):
+        c = biggest[key]
+        red = c.cluster.reducers if c.prediction.algo == "reducers" else 0
+        verdict = {True: "yes", False: "**no**", None: "-"}[c.ok]
+        lines.append(f"| {c.cluster.hosts} x {c.cluster.ranks_per_host} | {red} | {labels.get(c.series, c.series)} | "
+                     f"{human_size(c.row.bytes)} | {_t(c.row.median_s)} | {_t(c.prediction.seconds)} | "
+                     f"{c.error:+.1%} | {c.kind} | {verdict} |")
+    return "\n".join(lines)
+
+
+def markdown(checks: list[Check], min_bytes: int = 0) -> str:
+    """The comparison table (one row per measured point of at least ``min_bytes``) and a
+    one-line verdict over all of them."""
+    labels = reproduce.SERIES_LABELS
+    lines = ["| N | reducers | size | series | measured | predicted | error | bottleneck (model) | class "
+             "| reducers' CPU on the lab's cores | within 15% |",
+             "|---:|---:|---:|:---|---:|---:|---:|:---|:---|---:|:---:|"]
+    shown = [c for c in checks if c.row.bytes >= min_bytes]
+    for c in sorted(shown, key=lambda c: (c.row.world, c.cluster.ranks_per_host, c.row.bytes,
+                                          list(labels).index(c.series) if c.series in labels else 99)):
         verdict = {True: "yes", False: "**no**", None: "-"}[c.ok]
         red = c.cluster.reducers if c.prediction.algo == "reducers" else 0
         lines.append(f"| {c.row.world} | {red} | {human_size(c.row.bytes)} | {labels.get(c.series, c.series)} | "
                      f"{_t(c.row.median_s)} | {_t(c.prediction.seconds)} | {c.error:+.1%} | "
-                     f"{c.prediction.bottleneck} | {c.kind} | {verdict} |")
+                     f"{c.prediction.bottleneck} | {c.kind} | {_t(c.shared_cpu_s) if c.shared_cpu_s else '-'} "
+                     f"| {verdict} |")
     judged = [c for c in checks if c.ok is not None]
     good = sum(1 for c in judged if c.ok)
     lines += ["", f"Link-bound points within {TOLERANCE:.0%}: {good} of {len(judged)}; "

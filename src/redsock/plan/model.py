@@ -142,8 +142,8 @@ def _ring(c: Cluster, s: float, p: Profile, step_s: float, in_host_Bps: float) -
     terms = {"reduce": s * (n - 1) / n / p.reduce_Bps}
     if nic:
         terms["host NIC"] = nic / _goodput(c.link_bps, p)
-    if L > 1:
-        terms["in-host"] = per_rank / in_host_Bps
+    if L > 1:  # an in-host edge: the sender copies in, the receiver copies out
+        terms["in-host"] = per_rank / in_host_Bps * (2 if in_host_Bps == p.intra_Bps else 1)
     return 2 * (n - 1) * step_s, terms, nic
 
 
@@ -209,12 +209,14 @@ def _reducers(c: Cluster, s: float, p: Profile, senders_per_host: int, per_sende
 
 
 def _in_host_phases(c: Cluster, s: float, p: Profile) -> tuple[float, float]:
-    """In-host reduce-scatter + all-gather through shared memory: (latency, bandwidth time)."""
+    """In-host phases of the hierarchical algorithms (collectives/hierarchy.py): every rank
+    copies its buffer into shared memory, each local rank reduces its 1/L shard from the L
+    regions, and after the inter-host step every rank copies the result out.  Returns
+    (latency: two synchronisations, bandwidth time)."""
     L = c.ranks_per_host
     if L == 1:
         return 0.0, 0.0
-    moved = 2 * s * (L - 1) / L  # each rank: (L-1)/L of S in per phase
-    return 2 * (L - 1) * p.redsock_step_s, moved / p.intra_Bps + s * (L - 1) / L / p.reduce_Bps
+    return 2 * p.redsock_step_s, 2 * s / p.intra_Bps + s * (L - 1) / L / p.reduce_Bps
 
 
 def predict(algo: str, c: Cluster, nbytes: int, p: Profile) -> Prediction:

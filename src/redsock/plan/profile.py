@@ -44,7 +44,8 @@ class Profile:
     reducer_cpu_s_per_byte: float = 1.0 / 0.9e9
     #: Bytes per second one rank adds into its accumulator (numpy float32 add, one core).
     reduce_Bps: float = 6.0e9
-    #: Bytes per second one rank moves through shared memory inside a host (copy in + out).
+    #: Bytes per second one rank copies (memcpy) into or out of shared memory inside a host;
+    #: a transfer through shared memory is two copies (the sender's in, the receiver's out).
     intra_Bps: float = 4.0e9
     #: Bytes per second one rank moves over TCP loopback inside a host (gloo's in-host ring edges).
     loopback_Bps: float = 1.1e9

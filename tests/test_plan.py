@@ -206,3 +206,14 @@ def test_lab_classifies_and_judges() -> None:
     assert checks[3].prediction.algo == "rd"
     text = lab.markdown(checks)
     assert "Link-bound points within 15%: 1 of 2" in text
+
+
+def test_lab_several_ranks_per_host_use_the_hierarchical_model() -> None:
+    def row(series: str, servers: int = 0) -> Row:
+        r = _row(series, 8, S, 1.0, servers)
+        return dataclasses.replace(r, extra={**r.extra, "testbed": {**r.extra["testbed"], "ranks_per_host": 2}})
+
+    checks = lab.check_rows([row("gloo"), row("ring"), row("server", 4)], DEFAULT, cores=2)
+    assert [c.prediction.algo for c in checks] == ["gloo", "hring", "hreducers"]
+    assert [c.cluster.hosts for c in checks] == [4, 4, 4]
+    assert checks[2].prediction.nic_bytes == pytest.approx(S)  # one copy per host NIC

@@ -39,6 +39,8 @@ LINK_SHARE = 0.9
 PROCS_PER_CORE = 4  #: reproduce flags a step CPU-bound above 4 processes per core
 #: reproduce's series -> the model's algorithm
 SERIES_ALGO = {"gloo": "gloo", "ring": "ring", "ring1": "ring", "server": "reducers", "auto": "rd"}
+#: With several ranks per host, redsock's algorithms run hierarchically (DESIGN.md section 7).
+HIERARCHICAL = {"ring": "hring", "reducers": "hreducers"}
 
 
 @dataclass(frozen=True)
@@ -113,16 +115,19 @@ def check_rows(rows: list[Row], profile: Profile, cores: int | None = None) -> l
         if algo == "rd" and r.bytes >= 64 * 1024:
             algo = "ring"  # auto picks the ring from 64 KiB up
         cluster, goodput = _layout(r)
+        if cluster.ranks_per_host > 1 and algo in HIERARCHICAL and r.extra.get("hierarchy", "auto") != "off":
+            algo = HIERARCHICAL[algo]  # REDSOCK_HIERARCHY=auto (the default): shared memory in a host
         p = profile if goodput == profile.goodput_factor else _with(profile, goodput_factor=goodput)
         pred = model.predict(algo, cluster, r.bytes, p)
-        procs = r.world + (cluster.reducers if algo == "reducers" else 0)
+        procs = r.world + (cluster.reducers if algo in model.REDUCER_ALGORITHMS else 0)
         if procs > PROCS_PER_CORE * cores:
             kind = "CPU-bound"
         elif pred.link_share >= LINK_SHARE:
             kind = "link-bound"
         else:
             kind = "latency-bound"
-        shared = (r.world * r.bytes * p.reducer_cpu_s_per_byte / cores) if algo == "reducers" else 0.0
+        senders = cluster.hosts if algo == "hreducers" else r.world
+        shared = senders * r.bytes * p.reducer_cpu_s_per_byte / cores if algo in model.REDUCER_ALGORITHMS else 0.0
         out.append(Check(r, series, cluster, pred, kind, shared))
     return out
 
@@ -148,7 +153,7 @@ def summary(checks: list[Check]) -> str:
     order = list(labels)
     for key in sorted(biggest, key=lambda k: (k[0], k[1], order.index(k[2]) if k[2] in order else 99)):
         c = biggest[key]
-        red = c.cluster.reducers if c.prediction.algo == "reducers" else 0
+        red = c.cluster.reducers if c.prediction.algo in model.REDUCER_ALGORITHMS else 0
         verdict = {True: "yes", False: "**no**", None: "-"}[c.ok]
         lines.append(f"| {c.cluster.hosts} x {c.cluster.ranks_per_host} | {red} | {labels.get(c.series, c.series)} | "
                      f"{human_size(c.row.bytes)} | {_t(c.row.median_s)} | {_t(c.prediction.seconds)} | "
@@ -160,15 +165,15 @@ def markdown(checks: list[Check], min_bytes: int = 0) -> str:
     """The comparison table (one row per measured point of at least ``min_bytes``) and a
     one-line verdict over all of them."""
     labels = reproduce.SERIES_LABELS
-    lines = ["| N | reducers | size | series | measured | predicted | error | bottleneck (model) | class "
+    lines = ["| hosts x ranks | reducers | size | series | measured | predicted | error | bottleneck (model) | class "
              "| reducers' CPU on the lab's cores | within 15% |",
              "|---:|---:|---:|:---|---:|---:|---:|:---|:---|---:|:---:|"]
     shown = [c for c in checks if c.row.bytes >= min_bytes]
     for c in sorted(shown, key=lambda c: (c.row.world, c.cluster.ranks_per_host, c.row.bytes,
                                           list(labels).index(c.series) if c.series in labels else 99)):
         verdict = {True: "yes", False: "**no**", None: "-"}[c.ok]
-        red = c.cluster.reducers if c.prediction.algo == "reducers" else 0
-        lines.append(f"| {c.row.world} | {red} | {human_size(c.row.bytes)} | {labels.get(c.series, c.series)} | "
+        red = c.cluster.reducers if c.prediction.algo in model.REDUCER_ALGORITHMS else 0
+        lines.append(f"| {c.cluster.hosts} x {c.cluster.ranks_per_host} | {red} | {human_size(c.row.bytes)} | {labels.get(c.series, c.series)} | "
                      f"{_t(c.row.median_s)} | {_t(c.prediction.seconds)} | {c.error:+.1%} | "
                      f"{c.prediction.bottleneck} | {c.kind} | {_t(c.shared_cpu_s) if c.shared_cpu_s else '-'} "
                      f"| {verdict} |")

@@ -2,8 +2,9 @@
 by a reducer and one byte copied inside a host cost.  ``redsock calibrate`` measures them
 and writes a JSON file; ``redsock plan --profile FILE`` reads it.
 
-Without a profile, :data:`DEFAULT` is used: the figures measured on the project's 2-core lab
-(docs/results.md, N=2 rows, and ``redsock calibrate`` on that machine).  Per-message costs
+Without a profile, :data:`DEFAULT` is used: the figures measured on the project's 2-core lab,
+per-message latencies from its emulated cluster (docs/results.md, section 3, N=2) and the
+rest from ``redsock calibrate`` on that machine.  Per-message costs
 there are those of Python processes sharing 2 cores, so they are pessimistic for real hosts;
 per-byte link costs only depend on the NIC rate given to ``plan``.
 """
@@ -40,15 +41,18 @@ class Profile:
     #: reducers 526 us / 2.
     reducer_hop_s: float = 263e-6
     #: CPU seconds a reducer spends per byte of contributions it receives (receive, sum, send
-    #: back): its per-byte cost.  ``calibrate`` measures it on loopback.
-    reducer_cpu_s_per_byte: float = 1.0 / 0.9e9
-    #: Bytes per second one rank adds into its accumulator (numpy float32 add, one core).
-    reduce_Bps: float = 6.0e9
+    #: back): its per-byte cost.  Lab (``calibrate``, loopback): 0.42 s for 320 MiB.
+    reducer_cpu_s_per_byte: float = 1.25e-9
+    #: Bytes per second one rank adds into its accumulator (redsock's float32 sum, one core).
+    #: Lab (``calibrate``): 17.2 GB/s on 16 MiB arrays.
+    reduce_Bps: float = 17e9
     #: Bytes per second one rank copies (memcpy) into or out of shared memory inside a host;
     #: a transfer through shared memory is two copies (the sender's in, the receiver's out).
-    intra_Bps: float = 4.0e9
-    #: Bytes per second one rank moves over TCP loopback inside a host (gloo's in-host ring edges).
-    loopback_Bps: float = 1.1e9
+    #: Lab (``calibrate``): 14.3 GB/s on 16 MiB arrays.
+    intra_Bps: float = 14e9
+    #: Bytes per second one TCP flow carries over loopback inside a host (gloo's in-host ring
+    #: edges).  Lab (``calibrate``, one plain socket, 64 MiB messages): 19.8 Gbit/s.
+    loopback_Bps: float = 2.47e9
     #: Largest piece sent to a reducer (REDSOCK_PIECE_BYTES): a reducer forwards a piece once it
     #: has all of it, so the last piece's return is not overlapped.
     piece_bytes: int = 256 * 1024

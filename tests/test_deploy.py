@@ -140,6 +140,7 @@ def test_manifests_wire_reducers_token_probes_and_metrics() -> None:
     c = pod["spec"]["containers"][0]
     assert sts["spec"]["replicas"] == 16 and c["resources"]["requests"]["cpu"] == "16"
     assert c["readinessProbe"]["tcpSocket"]["port"] == "reduce"
+    assert c["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"reduce": 7700, "metrics": 9100}
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9100"
     assert pod["spec"]["terminationGracePeriodSeconds"] > 0
@@ -218,3 +219,23 @@ def test_container_command_lines_run_locally(tmp_path: Path) -> None:
         out, err = reducer.communicate(timeout=30)
     assert reducer.returncode == 0, err  # a clean stop on SIGTERM
     assert "joined" in err, err  # the job reached this reducer (with the token)
+
+
+def test_emit_with_a_namespace_and_sized_reducers(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --reducers the plan sizes the pool; a namespace reaches every object and the
+    reducers' DNS names; the output validates like deploy/."""
+    assert main(["plan", "--hosts", "3", "--ranks-per-host", "2", "--link", "25gbit", "--reducer-link", "10gbit",
+                 "--reducer-cores", "8", "--namespace", "team-a", "--emit", "k8s"]) == 0
+    objs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    assert all(o["metadata"]["namespace"] == "team-a" for o in objs)
+    sts = next(o for o in objs if o["kind"] == "StatefulSet")
+    m = sts["spec"]["replicas"]
+    assert m == 8  # 3 hosts x 25 Gbit/s of S each way over 10 Gbit/s reducers: ceil(7.5)
+    job = next(o for o in objs if o["kind"] == "Job")
+    env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["REDSOCK_SERVERS"].split(",")[-1] == f"redsock-reducer-{m - 1}.redsock-reducer.team-a.svc:7700"
+    for o in objs:
+        if o["kind"] == "PyTorchJob":
+            check_pytorchjob(o, K8S_VERSIONS[-1])
+        else:
+            kubernetes_validate.validate(o, K8S_VERSIONS[-1], strict=True)

@@ -6,8 +6,8 @@ them against the Kubernetes schemas, and runs their container command lines loca
 
 * Reducers: a StatefulSet of ``redsock serve`` (stable names ``redsock-reducer-<i>.<service>``
   for ``REDSOCK_SERVERS``) behind a headless Service; the token comes from the Secret
-  ``redsock-token`` (key ``token``), mounted read-only; readiness and liveness on the reducer
-  port; SIGTERM stops the daemon cleanly within the grace period; Prometheus scrape
+  ``redsock-token`` (key ``token``), mounted read-only; readiness on the reducer port,
+  liveness on the metrics endpoint; SIGTERM stops the daemon cleanly within the grace period; Prometheus scrape
   annotations point at ``--metrics-port``.  One redsock pod per node (anti-affinity), because
   reducers must not share NICs with workers or each other.
 * Training: a Kubeflow PyTorchJob (training operator v1) and, for clusters without the
@@ -95,8 +95,11 @@ def reducer_statefulset(replicas: int, cores: int, image: str, ns: str | None) -
         "name": "reducer", "image": image, "command": list(REDUCER_COMMAND), "args": list(REDUCER_ARGS),
         "ports": [{"name": "reduce", "containerPort": REDUCER_PORT},
                   {"name": "metrics", "containerPort": METRICS_PORT}],
-        "readinessProbe": {"tcpSocket": {"port": "reduce"}, "periodSeconds": 5},
-        "livenessProbe": {"tcpSocket": {"port": "reduce"}, "periodSeconds": 20, "failureThreshold": 3},
+        # Ready once the reducer port accepts (each probe logs one refused handshake on the
+        # daemon, hence every 10 s); alive while the metrics endpoint answers (no log line).
+        "readinessProbe": {"tcpSocket": {"port": "reduce"}, "periodSeconds": 10},
+        "livenessProbe": {"httpGet": {"path": "/metrics", "port": "metrics"}, "periodSeconds": 20,
+                          "failureThreshold": 3},
         "resources": {"requests": {"cpu": str(cores), "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
         "volumeMounts": [dict(_TOKEN_MOUNT)],
         "securityContext": dict(_LOCKED),

@@ -217,3 +217,24 @@ def test_lab_several_ranks_per_host_use_the_hierarchical_model() -> None:
     assert [c.prediction.algo for c in checks] == ["gloo", "hring", "hreducers"]
     assert [c.cluster.hosts for c in checks] == [4, 4, 4]
     assert checks[2].prediction.nic_bytes == pytest.approx(S)  # one copy per host NIC
+
+
+def test_lab_ddp_takes_compute_from_gloo_and_predicts_the_rest(tmp_path: Path) -> None:
+    c = Cluster(4, 1, 1e9, reducers=4)
+    grad = 30_000_000
+    compute = 0.1
+    steps = {a: 1 / (compute + model.gradient_sync_s(m, c, grad, lab.DDP_BUCKET, DEFAULT))
+             for a, m in (("gloo", "gloo"), ("server", "reducers"))}
+    rows = [{"algo": "gloo", "backend": "gloo", "workers": 4, "servers": 0, "rate_bps": 1e9, "grad_bytes": grad,
+             "steps_per_s": steps["gloo"]},
+            {"algo": "server", "backend": "redsock", "workers": 4, "servers": 4, "rate_bps": 1e9, "grad_bytes": grad,
+             "steps_per_s": steps["server"] / 1.1}]
+    for r in rows:  # the rest of what bench ddp writes
+        r.update(steps=25, time_s=25 / r["steps_per_s"], final_loss=9.1, hosts=4 + r["servers"],
+                 host_s_per_step=(4 + r["servers"]) / r["steps_per_s"])
+    (tmp_path / "ddp-n4.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    checks = lab.ddp_checks(tmp_path, DEFAULT, cores=2)
+    assert [c.algo for c in checks] == ["gloo", "server"]
+    assert checks[0].compute_s == pytest.approx(compute)
+    assert checks[1].predicted_steps_s == pytest.approx(steps["server"])
+    assert checks[1].error == pytest.approx(0.1)

@@ -346,6 +346,10 @@ def run(args: argparse.Namespace) -> int:
         profile = apply_overrides(load_profile(args.profile), args.set)
         print(f"profile: {profile.source}\n")
         print(lab.markdown(lab.check_rows(lab.load_lab(args.lab), profile)))
+        ddp = lab.ddp_checks(args.lab, profile)
+        if ddp:
+            print("\nDDP training (compute per step from gloo's measured step):\n")
+            print(lab.ddp_markdown(ddp))
         return 0
     plan = plan_from_args(args)
     if args.emit == "k8s":

@@ -32,7 +32,8 @@ from . import model
 from .model import Cluster
 from .profile import Profile
 
-__all__ = ["LINK_SHARE", "TOLERANCE", "Check", "check_rows", "load_lab", "markdown", "summary"]
+__all__ = ["LINK_SHARE", "TOLERANCE", "Check", "DdpCheck", "check_rows", "ddp_checks", "ddp_markdown", "load_lab",
+           "markdown", "summary"]
 
 TOLERANCE = 0.15
 LINK_SHARE = 0.9
@@ -182,4 +183,58 @@ def markdown(checks: list[Check], min_bytes: int = 0) -> str:
     lines += ["", f"Link-bound points within {TOLERANCE:.0%}: {good} of {len(judged)}; "
               f"CPU-bound points: {sum(c.kind == 'CPU-bound' for c in checks)}; "
               f"latency-bound points: {sum(c.kind == 'latency-bound' for c in checks)}."]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- DDP training
+
+#: examples/train_lm.py's default DDP bucket (``--bucket-cap-mb 25``, MiB as DDP counts it)
+DDP_BUCKET = 25 << 20
+DDP_ALGO = {"gloo": "gloo", "ring": "ring", "server": "reducers"}
+
+
+@dataclass(frozen=True)
+class DdpCheck:
+    workers: int
+    algo: str  #: the benchmark's algo (gloo, ring, server)
+    measured_steps_s: float
+    predicted_steps_s: float
+    compute_s: float  #: one step's compute, taken from gloo's measured step (the one number fitted)
+    kind: str  #: "CPU-bound" or "link-bound" (by the processes-per-core rule)
+
+    @property
+    def error(self) -> float:
+        return self.predicted_steps_s / self.measured_steps_s - 1
+
+
+def ddp_checks(results_dir: str | Path, profile: Profile, cores: int | None = None) -> list[DdpCheck]:
+    """``bench ddp --testbed`` runs: gloo's measured step fixes the compute time (step minus the
+    model's gradient sync, no overlap); the ring's and the reducers' steps/s are then predicted."""
+    cores = cores or os.cpu_count() or 1
+    out = []
+    for path in sorted(Path(results_dir).glob("ddp-n*.jsonl")):
+        rows = reproduce.load_data(reproduce.Step(path.stem, "ddp", "", (), 0), path)
+        gloo = next((r for r in rows if r["algo"] == "gloo"), None)
+        if gloo is None:
+            continue
+        for r in rows:
+            algo = DDP_ALGO.get(r["algo"])
+            if algo is None:
+                continue
+            c = Cluster(int(r["workers"]), 1, float(r["rate_bps"]), int(r.get("servers") or 0))
+            sync = {a: model.gradient_sync_s(a, c, int(r["grad_bytes"]), DDP_BUCKET, profile) for a in ("gloo", algo)}
+            compute = max(0.0, 1 / float(gloo["steps_per_s"]) - sync["gloo"])
+            predicted = 1 / model.ddp_step_s(sync[algo], compute, 0.0)
+            procs = c.world + (c.reducers if algo == "reducers" else 0)
+            kind = "CPU-bound" if procs > PROCS_PER_CORE * cores else "link-bound"
+            out.append(DdpCheck(c.world, r["algo"], float(r["steps_per_s"]), predicted, compute, kind))
+    return out
+
+
+def ddp_markdown(checks: list[DdpCheck]) -> str:
+    lines = ["| workers | algo | compute / step (from gloo) | measured steps/s | predicted steps/s | error | class |",
+             "|---:|:---|---:|---:|---:|---:|:---|"]
+    for c in checks:
+        lines.append(f"| {c.workers} | {c.algo} | {_t(c.compute_s)} | {c.measured_steps_s:.3f} | "
+                     f"{c.predicted_steps_s:.3f} | {c.error:+.1%} | {c.kind} |")
     return "\n".join(lines)

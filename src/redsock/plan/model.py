@@ -234,7 +234,6 @@ def predict(algo: str, c: Cluster, nbytes: int, p: Profile) -> Prediction:
         return Prediction(algo, nbytes, c.world, lat + bw, lat, terms, nic)
     if algo == "reducers":
         lat, terms, nic, fill = _reducers(c, s, p, c.ranks_per_host, s, c.world)
-        terms["reduce"] = 0.0
         return Prediction(algo, nbytes, c.world, lat + max(terms.values()) + fill, lat, terms, nic)
     if algo in ("hring", "hreducers"):
         L = c.ranks_per_host

@@ -56,3 +56,17 @@ def test_a_calibrated_profile_is_what_plan_reads(tmp_path: Path, capsys: pytest.
     assert main(["plan", "--hosts", "4", "--link", "1gbit", "--profile", str(path), "--json", "-"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["profile"]["redsock_step_s"] == 1e-5 and out["profile"]["source"] == "here"
+
+
+def test_calibrate_quick_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The real thing, short: its benchmarks run, the profile is plausible and plan reads it."""
+    out = tmp_path / "profile.json"
+    assert main(["calibrate", "--quick", "--out", str(out)]) == 0
+    obj = json.loads(out.read_text())
+    assert 1e-6 < obj["redsock_step_s"] < 0.1 and 1e-6 < obj["gloo_step_s"] < 0.1
+    assert 1e-6 < obj["reducer_hop_s"] < 0.1
+    assert 1e-12 < obj["reducer_cpu_s_per_byte"] < 1e-6  # 1 TB/s .. 1 MB/s per core
+    assert obj["measured"]["reducer_bytes_in"] == 4 * 2 * calibrate.REDUCER_SWEEP_BYTES
+    capsys.readouterr()
+    assert main(["plan", "--hosts", "4", "--link", "1gbit", "--profile", str(out), "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["profile"]["source"].startswith("redsock calibrate on")

@@ -241,7 +241,9 @@ def test_sigterm_mid_job_makes_workers_raise_peer_failure(reducers):
     assert code == 0 and took <= 2.0, (code, took, _log_text(proc)[-3000:])
     for r, (rc, out, err) in enumerate(outs["ranks"]):
         assert rc == 0, f"rank {r}:\n{err[-3000:]}"
-        assert "raised PeerFailure" in out and "shutting down" in out, out
+        assert "raised PeerFailure" in out and "reduction server" in out, out
+    # A rank that was in a call heard why; one that came later found the reducer gone.
+    assert any("shutting down" in out for _, out, _ in outs["ranks"]), outs["ranks"]
 
 
 def test_sigterm_stops_a_reducer_serving_a_running_job_within_2s_50_times(tmp_path):

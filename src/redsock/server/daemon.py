@@ -165,15 +165,15 @@ class ReductionServer:
         mine = ann.my_pieces()
         entry = link.pending[ann.op_seq] = _Pending(rnd, len(mine))
         if len(payload) > wire.ANNOUNCE_SIZE:  # the call's only piece here came along
-            nbytes = len(payload) - wire.ANNOUNCE_SIZE
             if len(mine) != 1:
                 raise ProtocolError(f"{link.peer} sent a piece with announce #{ann.op_seq}, "
                                     f"which has {len(mine)} pieces here")
-            buf = self.pool.take(nbytes)
-            buf[:] = np.frombuffer(payload, np.uint8, nbytes, wire.ANNOUNCE_SIZE)
-            self._contribute(link, ann.op_seq, entry, mine[0], buf)
-        for tag in [t for t in link.early if _op_seq(t) == ann.op_seq]:
-            self._contribute(link, ann.op_seq, entry, tag & wire.MAX_PIECES, link.early.pop(tag))
+            # Summed where it lies: the record's buffer is this message's alone.
+            piece = np.frombuffer(payload, np.uint8, len(payload) - wire.ANNOUNCE_SIZE, wire.ANNOUNCE_SIZE)
+            self._contribute(link, ann.op_seq, entry, mine[0], piece)
+        if link.early:
+            for tag in [t for t in link.early if _op_seq(t) == ann.op_seq]:
+                self._contribute(link, ann.op_seq, entry, tag & wire.MAX_PIECES, link.early.pop(tag))
 
     def on_piece(self, link: Link, tag: int, buf: np.ndarray) -> None:
         op_seq = _op_seq(tag)

@@ -15,6 +15,7 @@ from redsock.bench.procs import stop_processes
 from redsock.collectives.server_client import piece_elements
 from redsock.config import Config
 from redsock.server import ReductionServer
+from redsock.transport import connect
 from test_collectives import digests, run_world
 
 
@@ -301,3 +302,16 @@ def test_sigterm_stops_a_reducer_serving_a_running_job_within_2s_50_times(tmp_pa
     for r, (code, out, err) in enumerate(outs["ranks"]):
         assert code == 0 and "done" in out, f"rank {r}:\n{err[-3000:]}"
         assert "finishing it by ring" in err, f"rank {r} never fell back to ring:\n{err[-3000:]}"
+
+
+def test_every_message_in_slices_when_inline_is_off(reducers):
+    # Announces, pieces and results all travel as slices on the data streams, in any order.
+    _, servers = reducers(2, env={"REDSOCK_INLINE_BYTES": "0"})
+    ok(run_world("server_async", 2, env={"REDSOCK_SERVERS": servers, "REDSOCK_INLINE_BYTES": "0",
+                                         "REDSOCK_PIECE_BYTES": "64K", "TEST_REPS": "2"}))
+
+
+def test_reducer_answers_liveness_probes():
+    with ReductionServer("127.0.0.1", 0, config=Config(timeout_s=10)) as server:
+        with connect(server.address, config=Config(timeout_s=10), name="prober") as c:
+            assert c.probe(5.0)

@@ -45,6 +45,9 @@ log = logging.getLogger("redsock.server")
 
 STAGE_BYTES = 64 * 1024  # one control-stream read brings whole small records, usually several
 RCVLOWAT_MAX = 4 * 1024 * 1024  # a data stream's loop is woken about once per slice, not per segment
+#: Messages a connection may have arriving, or waiting for their announce, at once: workers keep
+#: WINDOW (4) pieces in flight per reducer, so more is a broken or hostile peer (memory stays bounded).
+MAX_AHEAD = 32
 _IN = select.EPOLLIN | select.EPOLLRDHUP
 _OUT = select.EPOLLOUT
 
@@ -129,7 +132,7 @@ class Link:
         self.early: dict[int, np.ndarray] = {}  # contributions that came before their announce
         self.incoming: dict[tuple[int, int], _Incoming] = {}  # (tag, seq) -> a message arriving in slices
         self._announce_early: dict[int, np.ndarray | bytearray] = {}  # announces that overtook one
-        self.max_early = 4 * 8  # bounded: a worker keeps at most WINDOW pieces in flight per reducer
+        self.max_early = MAX_AHEAD
         # control stream receive state
         self._stage = bytearray(STAGE_BYTES)
         self._sview = memoryview(self._stage)

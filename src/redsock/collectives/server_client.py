@@ -6,6 +6,9 @@ announces the call to each server, then streams its pieces with at most
 ``WINDOW`` outstanding per server, while the reduced pieces stream back
 straight into the caller's array: pushing piece i+1 overlaps pulling piece i.
 Per worker that is S bytes out and S bytes in, whatever the number of workers.
+A small call runs in the caller's thread end to end: its only piece per server
+rides in the announce's inline record, and the caller reads the result off the
+control stream itself (the transport's inline path).
 
 The window is the connection's, not the call's: a call returns once its last
 piece is posted, with a ``finish`` that waits for its results, so the next call

@@ -26,7 +26,7 @@ from ..config import parse_size
 from ..errors import ConfigError, RedsockError
 from .procs import stop_processes
 
-REDSOCK_ALGOS = ("auto", "ring", "small", "server")
+REDSOCK_ALGOS = ("auto", "ring", "small", "server", "hier")
 CHECK_BLOCK = 1 << 22  # elements checked at a time
 
 
@@ -303,7 +303,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-w", "--warmup", type=int, default=5, help="warm-up iterations per size")
     p.add_argument("-d", "--dtype", default="float32", help="float32, float16, bfloat16, float64, int8, uint8, int32, int64")
     p.add_argument("-o", "--op", default="sum", help="sum, avg, min, max, prod")
-    p.add_argument("--algo", default="auto,gloo", help="comma-separated: auto, ring, small, server, gloo")
+    p.add_argument("--algo", default="auto,gloo", help="comma-separated: auto, ring, small, server, hier, gloo")
     p.add_argument("-c", "--check", action="store_true", help="validate results (the #wrong column)")
     p.add_argument("--json", metavar="FILE", help="write one JSON object per row")
     p.add_argument("--plot", metavar="FILE.png", help="plot bus bandwidth and latency against size")

@@ -134,8 +134,9 @@ def test_bad_ranks_per_host_is_refused_before_anything_starts(cmd: list[str]) ->
 
 # ---------------------------------------------------------------- summaries
 
-def _row(algo: str, algbw: float, scheme: str | None = None, nbytes: int = 64 * MiB, world: int = 8) -> report.Row:
-    extra = {"scheme": scheme} if scheme else {}
+def _row(algo: str, algbw: float, scheme: str | None = None, nbytes: int = 64 * MiB, world: int = 8,
+         inter: str | None = None) -> report.Row:
+    extra = {"scheme": scheme, "inter": inter or algo} if scheme else {}
     return report.Row.from_times("gloo" if algo == "gloo" else "redsock", algo, world, nbytes, nbytes // 4,
                                  "float32", "sum", [nbytes / 1e9 / algbw], 0, extra=extra)
 
@@ -147,15 +148,20 @@ def test_allreduce_summary_uses_each_schemes_host_link_bound() -> None:
     text = allreduce_testbed.summary_table(rows, RATE, 4, 4, "uniform", ranks_per_host=2)
     assert "4 workers x 2 ranks (N=8), 4 reducers" in text
     lines = {x.split()[1]: x.split() for x in text.splitlines() if "MiB" in x and not x.startswith("#")}
-    # size, algo, scheme, time, algbw, NIC/S, bound, %bound, gloo, /gloo, ideal, #wrong
-    assert lines["gloo"][2:3] + lines["gloo"][5:8] == ["flat", "1.75", f"{gloo_bound:.4f}", "90.0%"]
-    assert lines["server"][2:3] + lines["server"][5:8] == ["hierarchical", "1.00", f"{GOODPUT:.4f}", "80.0%"]
+    # size, algo, route, time, algbw, NIC/S, bound, %bound, gloo, /gloo, ideal, #wrong
+    assert lines["gloo"][2:3] + lines["gloo"][5:8] == ["flat:ring", "1.75", f"{gloo_bound:.4f}", "90.0%"]
+    assert lines["server"][2:3] + lines["server"][5:8] == ["hier:server", "1.00", f"{GOODPUT:.4f}", "80.0%"]
     assert lines["server"][9:11] == [f"{0.8 * 1.75 / 0.9:.2f}", "1.75"]
     assert lines["ring"][5] == "1.50" and lines["ring"][10] == f"{1.75 / 1.5:.2f}"
     # A row that says nothing was flat: the reducers' bound is then L x S per host link.
     flat = allreduce_testbed.summary_table([_row("server", 0.5 * GOODPUT)], RATE, 4, 4, "uniform", 2)
     line = next(x for x in flat.splitlines() if "server" in x and not x.startswith("#")).split()
-    assert line[2] == "flat" and line[5] == "2.00" and line[7] == "100.0%"
+    assert line[2] == "flat:server" and line[5] == "2.00" and line[7] == "100.0%"
+    # "auto" is bounded by what the ranks chose: here reducers between hosts after a host reduction.
+    auto = allreduce_testbed.summary_table([_row("auto", 0.5 * GOODPUT, "hierarchical", inter="server")],
+                                           RATE, 4, 4, "uniform", 2)
+    line = next(x for x in auto.splitlines() if "auto" in x and not x.startswith("#")).split()
+    assert line[2] == "hier:server" and line[5] == "1.00" and line[10] == "1.75"
 
 
 def test_ddp_summary_counts_hosts_and_ranks() -> None:
@@ -186,26 +192,43 @@ def test_reproduce_section_plans_and_reports_two_ranks_per_host(tmp_path: Path) 
     assert st.key == "multirank-h4x2" and st.world == 8
     assert argv[argv.index("--workers") + 1] == "4" and argv[argv.index("--ranks-per-host") + 1] == "2"
     assert argv[argv.index("--servers") + 1] == "4" and argv[argv.index("--rate") + 1] == "300mbit"
-    assert argv[argv.index("--algo") + 1] == "gloo,ring,server"
+    assert argv[argv.index("--algo") + 1] == "gloo,auto,server"
+    ring = next(x for x in R.make_plan(s, tmp_path, "rsrpx") if x.key == "multirank-ring-h4x2")
+    rargv = list(ring.argv)
+    assert rargv[rargv.index("--servers") + 1] == "0" and rargv[rargv.index("--algo") + 1] == "gloo,auto,ring"
+    assert ring.series == {"gloo": "gloo2", "auto": "auto-ring", "ring": "ring"}
     from redsock.cli import build_parser
 
     assert build_parser().parse_args(argv).ranks_per_host == 2
     meta = {"workers": 4, "servers": 4, "rate_bps": RATE, "profile": "uniform", "goodput_factor": 0.956,
             "ranks_per_host": 2}
-    rows = R.tag_rows([replace(r, extra={**r.extra, "testbed": meta})
-                       for r in (_row("gloo", 0.9 * GOODPUT / 1.75), _row("ring", 0.9 * GOODPUT / 1.5, "hierarchical"),
-                                 _row("server", 0.8 * GOODPUT, "hierarchical"))], st)
+    def rows_of(step: R.Step, *rows: report.Row) -> list[report.Row]:
+        return R.tag_rows([replace(r, extra={**r.extra, "testbed": meta}) for r in rows], step)
+
+    rows = rows_of(st, _row("gloo", 0.9 * GOODPUT / 1.75), _row("auto", 0.8 * GOODPUT, "hierarchical", inter="server"),
+                   _row("server", 0.7 * GOODPUT / 2, "flat"))
+    rows += rows_of(ring, _row("gloo", 0.8 * GOODPUT / 1.75), _row("auto", 0.9 * GOODPUT / 1.5, "hierarchical",
+                                                                   inter="ring"), _row("ring", 0.8 * GOODPUT / 1.75, "flat"))
     pts = {p.series: p for p in R.allreduce_points(rows)[("uniform", 8)]}
     assert pts["gloo"].bound_GBps == pytest.approx(GOODPUT / 1.75) and pts["gloo"].of_bound == pytest.approx(0.9)
-    assert pts["ring"].bound_GBps == pytest.approx(GOODPUT / 1.5) and pts["ring"].label.endswith("hierarchical")
-    assert pts["server"].bound_GBps == pytest.approx(GOODPUT) and pts["server"].ideal_over_gloo == pytest.approx(1.75)
+    hier = pts["auto-servers"]
+    assert hier.bound_GBps == pytest.approx(GOODPUT) and hier.ideal_over_gloo == pytest.approx(1.75)
+    assert hier.label == "redsock auto, reducers set: hierarchical, reducers between hosts"
+    assert hier.over_gloo == pytest.approx(0.8 * 1.75 / 0.9)  # against the gloo of its own run
+    assert pts["server"].bound_GBps == pytest.approx(GOODPUT / 2) and pts["server"].ideal_over_gloo == pytest.approx(0.875)
+    assert pts["auto-ring"].bound_GBps == pytest.approx(GOODPUT / 1.5)
+    assert pts["auto-ring"].over_gloo == pytest.approx(0.9 * 1.75 / 1.5 / 0.8)  # its run's gloo, not the first's
+    assert pts["ring"].over_gloo == pytest.approx(1.0) and pts["gloo2"].over_gloo is None
     info = R.RunInfo(s, {"CPU": "test"}, R.datetime(2026, 1, 1, tzinfo=R.timezone.utc), 60.0, "python", "rsrpx")
-    md = R.render_markdown(info, [R.StepResult(st, "ok", 0, 90.0, data=rows, cpu_pct=97)])
+    md = R.render_markdown(info, [R.StepResult(st, "ok", 0, 90.0, data=rows[:3], cpu_pct=97),
+                                  R.StepResult(ring, "ok", 0, 80.0, data=rows[3:], cpu_pct=95)])
     assert "## 5. Several ranks per host" in md and "### 4 hosts x 2 ranks = 8 ranks, 4 reducer hosts" in md
     assert "used 97% of all cores" in md
-    assert (f"| redsock reducers, hierarchical vs gloo's flat ring (4 hosts x 2 ranks, 64 MiB) | "
-            f"{0.8 * 1.75 / 0.9:.2f}x; at 80% of its bound | ideal 1.75x") in md
-    assert f"| 64 MiB | redsock reducers, hierarchical | {R._us(pts['server'].row.median_s)} |" in md
+    assert (f"| {hier.label} vs gloo's flat ring (4 hosts x 2 ranks, 64 MiB) | "
+            f"{0.8 * 1.75 / 0.9:.2f}x; at 80% of its bound | ideal 1.75x (bytes per host link: gloo 1.75 S, "
+            "this 1.00 S)") in md
+    assert f"| 64 MiB | {hier.label} | {R._us(hier.row.median_s)} |" in md
+    assert "| 64 MiB | gloo (run without reducers) |" in md
 
 
 # ---------------------------------------------------------------- in the namespaces (root)

@@ -127,9 +127,12 @@ def ideal_over_gloo(algo: str, world: int, hosts: int | None = None, scheme: str
     return gloo / mine if mine and gloo else None
 
 
-def row_scheme(r: report.Row) -> str:
-    """How the row's all-reduce crossed hosts, as its rank recorded it (flat unless it says)."""
-    return "flat" if r.algo == "gloo" else r.extra.get("scheme", "flat")
+def row_route(r: report.Row) -> tuple[str, str]:
+    """(algorithm between hosts, scheme) of a row, as its rank recorded it (see
+    ``allreduce.route``); gloo runs a flat ring, a row that records nothing its own algo, flat."""
+    if r.algo == "gloo":
+        return "gloo", "flat"
+    return r.extra.get("inter", r.algo), r.extra.get("scheme", "flat")
 
 
 def summary_table(rows: Sequence[report.Row], rate_bps: int, workers: int, servers: int,
@@ -139,21 +142,23 @@ def summary_table(rows: Sequence[report.Row], rate_bps: int, workers: int, serve
     ranks = f" x {ranks_per_host} ranks (N={workers * ranks_per_host})" if ranks_per_host > 1 else ""
     out = [f"# testbed: {workers} workers{ranks}, {servers} reducers, {profile} links at {format_rate(rate_bps)} "
            f"each way; link goodput = {format_rate(rate_bps)} x {GOODPUT_FACTOR} = {goodput:.4f} GB/s",
-           "# algbw in GB/s; NIC/S = bytes each way through one host link per byte of buffer (ring: flat 2(N-1)/N, "
+           "# route = flat (every rank on the network) or hier (reduced inside each host first) : the algorithm "
+           "between hosts, as the ranks chose it; algbw in GB/s; NIC/S = bytes each way through one host link per byte of buffer (ring: flat 2(N-1)/N, "
            "hierarchical 2(H-1)/H; reducers: flat L, hierarchical 1); bound = goodput / NIC/S; "
            "%bound = algbw / bound; /gloo = algbw / gloo's algbw (same size, this run); "
            "ideal = gloo's NIC/S / this NIC/S"]
     gloo = {(r.world, r.bytes, r.dtype, r.op): r for r in rows if r.algo == "gloo"}
-    out.append(f"#{'size':>9} {'algo':>7} {'scheme':>12} {'time(us)':>10} {'algbw':>9} {'NIC/S':>6} {'bound':>8} "
+    out.append(f"#{'size':>9} {'algo':>7} {'route':>12} {'time(us)':>10} {'algbw':>9} {'NIC/S':>6} {'bound':>8} "
                f"{'%bound':>7} {'gloo':>9} {'/gloo':>7} {'ideal':>6} {'#wrong':>7}")
     for r in sorted(rows, key=lambda r: (r.bytes, r.algo == "gloo")):
         g = None if r.algo == "gloo" else gloo.get((r.world, r.bytes, r.dtype, r.op))
-        scheme = row_scheme(r)
-        factor = host_nic_factor(r.algo, r.world, workers, scheme)
+        inter, scheme = row_route(r)
+        factor = host_nic_factor(inter, r.world, workers, scheme)
         bound = goodput / factor if factor else None
-        ideal = None if r.algo == "gloo" else ideal_over_gloo(r.algo, r.world, workers, scheme)
+        ideal = None if r.algo == "gloo" else ideal_over_gloo(inter, r.world, workers, scheme)
+        how = f"{scheme[:4]}:{'ring' if inter == 'gloo' else inter}"
         out.append(
-            f"{report.human_size(r.bytes, sep=''):>10} {r.algo:>7} {scheme:>12} {_us(r.median_s):>10} "
+            f"{report.human_size(r.bytes, sep=''):>10} {r.algo:>7} {how:>12} {_us(r.median_s):>10} "
             f"{r.algbw_GBps:9.4f} {(f'{factor:6.2f}' if factor else '-'):>6} "
             f"{(f'{bound:8.4f}' if bound else '-'):>8} "
             f"{(f'{100 * r.algbw_GBps / bound:6.1f}%' if bound else '-'):>7} "

@@ -9,7 +9,11 @@ also the number of ranks) once per algorithm of ``--algos``:
 
 * ``gloo``   — ``--backend gloo`` (torch's own, the baseline);
 * ``ring``   — ``--backend redsock`` with ``REDSOCK_ALGO=ring`` (Fast Socket ring);
-* ``server`` — ``--backend redsock`` with ``REDSOCK_ALGO=server`` (the reducers).
+* ``server`` — ``--backend redsock`` with ``REDSOCK_ALGO=server`` (the reducers, every
+  rank on its own);
+* ``auto``   — ``--backend redsock`` with ``REDSOCK_ALGO=auto``, the reducers set: what a
+  user gets by default (with several ranks per host, a hierarchical all-reduce where
+  redsock chooses one).
 
 The training script is unchanged between them: only the backend name and the
 environment differ, as for a user.  ``--repeats`` rounds run the algorithms in
@@ -50,7 +54,10 @@ ALGOS: dict[str, tuple[str, dict[str, str]]] = {
     "gloo": ("gloo", {}),
     "ring": ("redsock", {"REDSOCK_ALGO": "ring"}),
     "server": ("redsock", {"REDSOCK_ALGO": "server"}),
+    "auto": ("redsock", {"REDSOCK_ALGO": "auto"}),
 }
+#: Algorithms that use the reducers (their hosts count in the cost per step).
+USES_SERVERS = ("server", "auto")
 _RESULT = re.compile(r"^RESULT (.*)$", re.M)
 
 
@@ -73,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--servers", type=int, help="reducer hosts (default: as many as workers)")
     p.add_argument("--rate", default="1gbit", help="link rate each way (default 1gbit)")
     p.add_argument("--profile", default="uniform", choices=PROFILES, help="link profile (default uniform)")
-    p.add_argument("--algos", default="gloo,ring,server", help="comma-separated: gloo, ring, server")
+    p.add_argument("--algos", default="gloo,ring,server", help="comma-separated: gloo, ring, server, auto")
     p.add_argument("--steps", type=int, default=20, help="training steps per run (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of steps/s (default 5)")
     p.add_argument("--repeats", type=int, default=1, help="rounds over the algorithms; median reported")
@@ -114,7 +121,7 @@ def summarize(results: dict[str, list[dict[str, Any]]], workers: int, servers: i
     out = []
     for algo, runs in results.items():
         sps = statistics.median(r["steps_per_s"] for r in runs)
-        used_servers = servers if algo == "server" else 0
+        used_servers = servers if algo in USES_SERVERS else 0
         hosts = workers + used_servers
         last = runs[-1]
         out.append({"algo": algo, "backend": ALGOS[algo][0], "workers": workers, "servers": used_servers,
@@ -166,8 +173,8 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not algos:
         raise ConfigError(f"--algos: unknown {', '.join(unknown) or '(none)'}; known: {', '.join(ALGOS)}")
     servers = args.workers if args.servers is None else args.servers
-    if "server" in algos and servers < 1:
-        raise ConfigError("--algos server needs --servers >= 1")
+    if set(algos) & set(USES_SERVERS) and servers < 1:
+        raise ConfigError("--algos server / auto need --servers >= 1")
     if args.workers < 2:
         raise ConfigError("--workers must be >= 2")
     if args.ranks_per_host < 1:
@@ -181,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     rate = parse_rate(args.rate)
     train_script()
     nx.require_root("redsock bench ddp --testbed")
-    if "server" not in algos:
+    if not set(algos) & set(USES_SERVERS):
         servers = 0
     prefix = args.prefix or f"rsdp{os.getpid()}"
     tb = Testbed(workers=args.workers, servers=servers, rate=rate, profile=args.profile, prefix=prefix)

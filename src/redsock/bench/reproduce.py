@@ -67,7 +67,12 @@ SERIES_LABELS = {
     "ring": "redsock ring, Fast Socket",
     "server": "redsock reducers",
     "auto": "redsock auto (small-message algorithm)",
+    "gloo2": "gloo (run without reducers)",
+    "auto-servers": "redsock auto, reducers set",
+    "auto-ring": "redsock auto, no reducers",
 }
+#: The algorithm between hosts of a hierarchical series, in words.
+_INTER = {"server": "reducers", "ring": "ring", "small": "recursive doubling", "none": "nothing"}
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 #: The testbed benchmark's CPU line: "... ranks 21.0 s, reducers 3.2 s (= 35% of 2 cores) ..."
 _CPU_RE = re.compile(r"\(= (\d+)% of \d+ cores\)")
@@ -248,15 +253,21 @@ def make_plan(s: Settings, results_dir: Path, prefix: str) -> list[Step]:
             {"ring": "ring1"}, profile="perflow"))
     if "multirank" in s.sections:
         h, per = s.multirank_hosts, s.ranks_per_host
-        # Seconds per MiB of the largest size at this rate: gloo's 2(N-1)/N per host link, the
-        # redsock ring's, the reducers', iterations plus warm-up, and a margin for 2 slow cores.
+        # Seconds per MiB of the largest size at this rate, x the bytes per host link of the three
+        # series (at most 2 x S each), x iterations plus warm-up, x 2 for two slow cores, plus start-up.
         mib_s = 8 * (1 << 20) / (parse_rate(s.multirank_rate) * GOODPUT_FACTOR)
         big = parse_size(s.multirank_sizes[1]) / (1 << 20)
         timeout = 120 + 3 * 2 * mib_s * big * (sum(s.multirank_iters) + 1) * 2
+        # What a user gets: redsock's default choice (auto) with reducers set and without, each run
+        # next to gloo and to the same algorithm with every rank on the network on its own.
         steps.append(allreduce(
             f"multirank-h{h}x{per}", "multirank", f"all-reduce, {h} hosts x {per} ranks + {h} reducers", h, h,
-            "gloo,ring,server", s.multirank_sizes, s.multirank_iters, s.nsocks, timeout,
-            {"gloo": "gloo", "ring": "ring", "server": "server"}, ranks_per_host=per, rate=s.multirank_rate))
+            "gloo,auto,server", s.multirank_sizes, s.multirank_iters, s.nsocks, timeout,
+            {"gloo": "gloo", "auto": "auto-servers", "server": "server"}, ranks_per_host=per, rate=s.multirank_rate))
+        steps.append(allreduce(
+            f"multirank-ring-h{h}x{per}", "multirank", f"all-reduce, {h} hosts x {per} ranks, no reducers", h, 0,
+            "gloo,auto,ring", s.multirank_sizes, s.multirank_iters, s.nsocks, timeout,
+            {"gloo": "gloo2", "auto": "auto-ring", "ring": "ring"}, ranks_per_host=per, rate=s.multirank_rate))
     if "ddp" in s.sections:
         for n in s.ddp_workers:
             steps_, warm = s.ddp_steps
@@ -278,8 +289,9 @@ def link_goodput_GBps(rate_bps: float, factor: float = GOODPUT_FACTOR) -> float:
 
 
 def series_algo(series: str) -> str:
-    """The algorithm behind a series: ``server`` for the reducers' series, else a ring."""
-    return "server" if series.startswith("server") else "ring"
+    """The algorithm behind a series: ``server`` for the reducers', ``auto`` (chosen by size)
+    for auto's, else a ring (gloo's, redsock's over one socket or Fast Socket)."""
+    return "server" if series.startswith("server") else "auto" if series.startswith("auto") else "ring"
 
 
 def traffic_factor(series: str, world: int, hosts: int | None = None, scheme: str = "flat") -> float:
@@ -377,6 +389,10 @@ def _r(x: float | None, fmt: str = "{:.2f}x") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
 def transport_table(points: Sequence[TransportPoint]) -> str:
     """Markdown: throughput against the classes' goodput, and the Fast Socket ratios."""
     lines = [("| size | configuration | classes hit | Gbit/s | bound Gbit/s | / bound | dynamic / static | "
@@ -398,20 +414,23 @@ class ArPoint:
     series: str
     row: report.Row
     rate_bps: float
-    bound_GBps: float
+    bound_GBps: float | None  #: None where no host link is crossed or the algorithm has no closed form
     over_gloo: float | None
     ideal_over_gloo: float | None
     over_one_socket: float | None  #: Fast Socket ring / ring over 1 socket, same size
     scheme: str = "flat"  #: "hierarchical" where the ranks of a host reduced among themselves first
+    inter: str = "ring"  #: the algorithm between hosts
 
     @property
-    def of_bound(self) -> float:
-        return self.row.algbw_GBps / self.bound_GBps
+    def of_bound(self) -> float | None:
+        return self.row.algbw_GBps / self.bound_GBps if self.bound_GBps else None
 
     @property
     def label(self) -> str:
         label = SERIES_LABELS.get(self.series, self.series)
-        return label + ", hierarchical" if self.scheme == "hierarchical" else label
+        if self.scheme == "hierarchical":
+            return f"{label}: hierarchical, {_INTER.get(self.inter, self.inter)} between hosts"
+        return label
 
 
 def tag_rows(rows: Iterable[report.Row], step: Step) -> list[report.Row]:
@@ -430,11 +449,15 @@ def _testbed_meta(r: report.Row) -> tuple[float, float, str]:
     return float(tb["rate_bps"]), float(tb.get("goodput_factor", GOODPUT_FACTOR)), tb.get("profile", "uniform")
 
 
-def _placement(r: report.Row) -> tuple[int, str]:
-    """(worker hosts, scheme) of a tagged row: rows of one rank per host name no ranks per
-    host; gloo's ring is always flat, a redsock row says when it went hierarchical."""
+def _placement(r: report.Row) -> tuple[int, str, str]:
+    """(worker hosts, scheme, algorithm between hosts) of a tagged row.  Rows of one rank per
+    host may name no ranks per host; rows that record no route (``allreduce.route``) ran
+    their series' algorithm flat; gloo's ring is always flat."""
     hosts = int(r.extra.get("testbed", {}).get("workers", r.world))
-    return hosts, "flat" if r.extra["series"] == "gloo" else r.extra.get("scheme", "flat")
+    series = r.extra["series"]
+    if series.startswith("gloo"):
+        return hosts, "flat", "ring"
+    return hosts, r.extra.get("scheme", "flat"), r.extra.get("inter", series_algo(series))
 
 
 def allreduce_points(rows: Iterable[report.Row]) -> dict[tuple[str, int], list[ArPoint]]:
@@ -446,18 +469,22 @@ def allreduce_points(rows: Iterable[report.Row]) -> dict[tuple[str, int], list[A
     out: dict[tuple[str, int], list[ArPoint]] = {}
     for (profile, world), rs in sorted(groups.items()):
         by = {(r.extra["series"], r.bytes): r for r in rs}
+        by_step = {(r.extra["step"], r.bytes): r for r in rs if r.extra["series"].startswith("gloo")}
         pts = []
         for r in rs:
             series = r.extra["series"]
             rate, gf, _ = _testbed_meta(r)
-            hosts, scheme = _placement(r)
-            gloo = by.get(("gloo", r.bytes)) if series != "gloo" else None
+            hosts, scheme, inter = _placement(r)
+            # gloo of the same run first (a section may run several), else of the same N
+            gloo = (by_step.get((r.extra["step"], r.bytes), by.get(("gloo", r.bytes)))
+                    if not series.startswith("gloo") else None)
             one = by.get(("ring1", r.bytes)) if series == "ring" else None
+            factor = host_nic_factor(inter, world, hosts, scheme)
+            ideal = None if series.startswith("gloo") or not factor else traffic_factor("gloo", world, hosts) / factor
             pts.append(ArPoint(
-                series, r, rate, algbw_bound_GBps(series, world, rate, gf, hosts, scheme),
-                r.algbw_GBps / gloo.algbw_GBps if gloo and gloo.algbw_GBps > 0 else None,
-                ideal_over_gloo(series, world, hosts, scheme),
-                r.algbw_GBps / one.algbw_GBps if one and one.algbw_GBps > 0 else None, scheme))
+                series, r, rate, link_goodput_GBps(rate, gf) / factor if factor else None,
+                r.algbw_GBps / gloo.algbw_GBps if gloo and gloo.algbw_GBps > 0 else None, ideal,
+                r.algbw_GBps / one.algbw_GBps if one and one.algbw_GBps > 0 else None, scheme, inter))
         order = list(SERIES_LABELS)
         out[(profile, world)] = sorted(pts, key=lambda p: (p.row.bytes, order.index(p.series)
                                                            if p.series in order else 99))
@@ -477,7 +504,8 @@ def allreduce_table(points: Sequence[ArPoint]) -> str:
     for p in points:
         r = p.row
         lines.append(f"| {report.human_size(r.bytes)} | {p.label} | {_us(r.median_s)} "
-                     f"| {r.algbw_GBps:.4f} | {r.busbw_GBps:.4f} | {p.bound_GBps:.4f} | {100 * p.of_bound:.1f}% "
+                     f"| {r.algbw_GBps:.4f} | {r.busbw_GBps:.4f} | {_r(p.bound_GBps, '{:.4f}')} "
+                     f"| {_r(None if p.of_bound is None else 100 * p.of_bound, '{:.1f}%')} "
                      f"| {_r(p.over_gloo)} | {_r(p.ideal_over_gloo)} | {_r(p.over_one_socket)} |")
     return "\n".join(lines)
 
@@ -539,19 +567,21 @@ def ddp_points(objs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         n, world, scheme = int(o["workers"]), int(o.get("world", o["workers"])), o.get("scheme", "flat")
         gloo = next((g for g in objs if g["algo"] == "gloo" and int(g["workers"]) == n
                      and int(g.get("world", n)) == world), None)
-        series = "server" if o["algo"] == "server" else "ring"
-        bytes_per_step = float(o["grad_bytes"]) * traffic_factor(series, world, n, scheme)
+        # "auto" is whatever redsock chose per bucket: no closed form
+        factor = None if o["algo"] == "auto" else host_nic_factor(series_algo(o["algo"]), world, n, scheme)
+        bytes_per_step = float(o["grad_bytes"]) * (factor or 0.0)
         bound = link_goodput_GBps(float(o["rate_bps"])) * 1e9 / bytes_per_step if bytes_per_step > 0 else None
         p = dict(o)
         p["over_gloo"] = (o["steps_per_s"] / gloo["steps_per_s"]
                           if gloo and gloo is not o and gloo["steps_per_s"] > 0 else None)
-        p["ideal_over_gloo"] = None if o["algo"] == "gloo" else ideal_over_gloo(series, world, n, scheme)
+        p["ideal_over_gloo"] = (None if o["algo"] == "gloo" or not factor
+                                else traffic_factor("gloo", world, n) / factor)
         p["comm_bound_steps_per_s"] = bound
         p["of_bound"] = o["steps_per_s"] / bound if bound else None
         p["cost_over_gloo"] = (o["host_s_per_step"] / gloo["host_s_per_step"]
                                if gloo and gloo is not o and gloo["host_s_per_step"] > 0 else None)
         out.append(p)
-    order = {"gloo": 0, "ring": 1, "server": 2}
+    order = {"gloo": 0, "ring": 1, "server": 2, "auto": 3}
     return sorted(out, key=lambda p: (int(p["workers"]), order.get(p["algo"], 9)))
 
 
@@ -667,13 +697,13 @@ def _headline_allreduce(rows: list[Any]) -> list[tuple[str, str, str]]:
         ring = big.get("ring")
         if ring and ring.over_one_socket is not None:
             out.append((f"Fast Socket ring vs 1 socket ({where})",
-                        f"{_r(ring.over_one_socket)}; ring at {100 * ring.of_bound:.0f}% of its bound",
+                        f"{_r(ring.over_one_socket)}; ring at {_pct(ring.of_bound)} of its bound",
                         "1.00x on uniform links (one flow fills a link)" if profile == "uniform"
                         else "sum of the classes hit / the slowest class"))
         srv = big.get("server")
         if srv:
             out.append((f"Reducers vs gloo algbw ({where})",
-                        f"{_r(srv.over_gloo)}; reducers at {100 * srv.of_bound:.0f}% of link goodput",
+                        f"{_r(srv.over_gloo)}; reducers at {_pct(srv.of_bound)} of link goodput",
                         f"ideal {_r(srv.ideal_over_gloo)} = 2(N-1)/N"))
     return out
 
@@ -682,15 +712,16 @@ def _headline_multirank(rows: list[Any]) -> list[tuple[str, str, str]]:
     out = []
     for (_, n), pts in allreduce_points(rows).items():
         top = max(p.row.bytes for p in pts)
-        hosts, _ = _placement(pts[0].row)
+        hosts = _placement(pts[0].row)[0]
         where = f"{hosts} hosts x {n // hosts} ranks, {report.human_size(top)}"
         for p in pts:
-            if p.row.bytes == top and p.series != "gloo":
+            if p.row.bytes == top and not p.series.startswith("gloo"):
+                mine = host_nic_factor(p.inter, n, hosts, p.scheme)
                 out.append((f"{p.label} vs gloo's flat ring ({where})",
-                            f"{_r(p.over_gloo)}; at {100 * p.of_bound:.0f}% of its bound",
+                            f"{_r(p.over_gloo)}; at {_pct(p.of_bound)} of its bound",
                             f"ideal {_r(p.ideal_over_gloo)} (bytes per host link: gloo "
                             f"{traffic_factor('gloo', n, hosts):.2f} S, this "
-                            f"{traffic_factor(p.series, n, hosts, p.scheme):.2f} S)"))
+                            + (f"{mine:.2f} S)" if mine else "no closed form)")))
     return out
 
 
@@ -715,7 +746,7 @@ def _headline_ddp(rows: list[Any]) -> list[tuple[str, str, str]]:
     out = []
     for p in ddp_points(rows):
         if p["algo"] != "gloo":
-            who = "reducers" if p["algo"] == "server" else "redsock ring"
+            who = {"server": "reducers", "ring": "redsock ring"}.get(p["algo"], f"redsock {p['algo']}")
             out.append((f"DDP training speed-up, {who} vs gloo (N={p['workers']})",
                         (f"{_r(p['over_gloo'])} steps/s; cost per step {_r(p['cost_over_gloo'])} gloo's "
                          f"({p['hosts']} hosts)"), f"ideal {_r(p['ideal_over_gloo'])} if communication-bound"))
@@ -907,7 +938,7 @@ def _multirank_body(info: RunInfo, results: Sequence[StepResult]) -> list[str]:
             "(hierarchical). `ideal / gloo` is the ratio of those bytes; a series is marked hierarchical "
             "when its ranks reported that they reduced inside the host first.")]
     for (profile, n), pts in allreduce_points(rows).items():
-        hosts, _ = _placement(pts[0].row)
+        hosts = _placement(pts[0].row)[0]
         cpu = [r.cpu_pct for r in results if r.cpu_pct is not None]
         out += ["", f"### {hosts} hosts x {n // hosts} ranks = {n} ranks, {hosts} reducer hosts "
                     f"({profile} links at {format_rate(pts[0].rate_bps)})", "",
@@ -986,10 +1017,11 @@ def plot_allreduce(groups: dict[tuple[str, int], list[ArPoint]], path: Path, tit
             ps = sorted(ps, key=lambda p: p.row.bytes)
             x = [p.row.bytes for p in ps]
             (line,) = top.plot(x, [p.row.algbw_GBps for p in ps], marker="o", label=ps[0].label)
-            bottom.plot(x, [p.of_bound for p in ps], marker="o", color=line.get_color())
+            bottom.plot(x, [p.of_bound or float("nan") for p in ps], marker="o", color=line.get_color())
         bounds: dict[float, list[str]] = {}  # one line per distinct bound, naming its series
         for ps in series.values():
-            bounds.setdefault(round(ps[0].bound_GBps, 6), []).append(ps[0].label)
+            if ps[0].bound_GBps:
+                bounds.setdefault(round(ps[0].bound_GBps, 6), []).append(ps[0].label)
         for (bound, names), ls in zip(sorted(bounds.items()), ("--", ":", "-.", (0, (1, 3)))):
             top.axhline(bound, ls=ls, color="k", lw=0.8, label=f"bound {bound:.3f}: {', '.join(names)}")
         bottom.axhline(1.0, ls="--", color="k")

@@ -322,6 +322,17 @@ def finalize(acc: np.ndarray, op: ReduceOp | str, n: int, out: np.ndarray) -> np
     return out
 
 
+def reduce_rows(rows: np.ndarray, op: ReduceOp | str, n: int, out: np.ndarray) -> np.ndarray:
+    """Reduce the rows of 2-D ``rows`` (contributions, in row order) into ``out`` and return it.
+
+    The same result as init_acc/combine/finalize over the rows, in one ufunc call (16-bit
+    floats widened by numpy's cast): for small buffers, where per-call overhead dominates.
+    """
+    op = ReduceOp.parse(op)
+    acc = _UFUNC[op].reduce(rows, axis=0, dtype=_ACCUM[check_dtype(rows.dtype)])
+    return finalize(acc, op, n, out)
+
+
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     """True if ``a`` and ``b`` are the very same elements (not merely overlapping)."""
     return a is b or (a.dtype == b.dtype and a.shape == b.shape and a.strides == b.strides

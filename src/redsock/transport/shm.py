@@ -11,21 +11,24 @@ peers still read the previous one).
 
 Synchronisation is by step counters: :meth:`LocalGroup.sync` sets this rank's counter to the
 next step and waits until every local rank's counter has reached it.  Waiting spins briefly,
-then blocks in ``poll`` on an abstract-namespace datagram socket (a peer that arrives sends a
-wake-up to each of the others; a wake-up queued after the counters were checked still ends
-the poll, so none is lost) and on a pidfd of every peer (a peer that dies wakes the waiters
-at once and becomes :class:`PeerFailure` naming it).  Counters and data are plain stores on
-x86's total store order: data first, then the counter.
+yielding the CPU, then blocks in a futex on the counter of a peer that has not arrived (the
+kernel compares the counter with the value seen and sleeps in one step; a sleeper first
+says whose counter it sleeps on, and an arriving rank wakes the futex only when someone
+sleeps on its counter: one wake-up per sleeper instead of one system call per rank and step).  Every ``DEATH_CHECK_S`` of sleep, and on
+every wake-up, a waiter polls the pidfds of its peers: one that died becomes
+:class:`PeerFailure` naming it.  Counters and data are plain stores on x86's total store
+order: data first, then the counter.
 """
 
 from __future__ import annotations
 
-import errno
+import ctypes
 import mmap
 import os
+import platform
 import secrets
 import select
-import socket
+import threading
 import time
 from typing import Any
 
@@ -35,20 +38,43 @@ from ..errors import PeerFailure, ProtocolError, Timeout, TransportError
 
 ARENA_DIR = "/dev/shm"
 ARENA_PREFIX = "redsock-"
-# One 64-byte cache line per local rank: [step, signature at odd steps, at even steps, unused...]
+# One 64-byte cache line per local rank: [step, signature at odd steps, at even steps,
+# 1 + the local rank whose counter this rank sleeps on (0: awake), unused...]
 # (a rank may run one step ahead of a slower peer, which must still read its signature).
 _LINE_WORDS = 8
+_SLEEP = 3
 MAX_LOCAL_RANKS = 48
 _FAIL_WORD = MAX_LOCAL_RANKS * _LINE_WORDS  # 1 once a rank wrote its failure note
 _NOTE_LEN_WORD = _FAIL_WORD + 1
 _NOTE_OFFSET = (_NOTE_LEN_WORD + 1) * 8
 HEADER_BYTES = 4096
 _NOTE_MAX = HEADER_BYTES - _NOTE_OFFSET
+#: Longest futex sleep before a waiter looks at its peers' pidfds again.
+DEATH_CHECK_S = 0.05
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the words are shared between processes
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_wait(addr: int, seen: int, timeout_s: float) -> None:
+    """Sleep while the 32-bit word at ``addr`` still holds ``seen`` (at most ``timeout_s``)."""
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(seen & 0xFFFFFFFF),
+                  ctypes.byref(ts), None, 0)  # EAGAIN (changed), ETIMEDOUT, EINTR: the caller re-checks
+
+
+def _futex_wake(addr: int) -> None:
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, ctypes.c_int(1 << 30), None, None, 0)
 
 
 def available() -> bool:
-    """Whether this system can run the transport (Linux with pidfds and /dev/shm)."""
-    return hasattr(os, "pidfd_open") and os.path.isdir(ARENA_DIR)
+    """Whether this system can run the transport (Linux, x86-64 or arm64, pidfds, /dev/shm)."""
+    return _SYS_FUTEX is not None and hasattr(os, "pidfd_open") and os.path.isdir(ARENA_DIR)
 
 
 class LocalGroup:
@@ -74,14 +100,12 @@ class LocalGroup:
         self._mm, path = self._map(store, key, nbytes)
         self._words = memoryview(self._mm)[:HEADER_BYTES].cast("Q")
         self._bytes = np.frombuffer(self._mm, np.uint8)
-        token = os.path.basename(path)
-        self._addrs = [f"\0{token}-{lr}".encode() for lr in range(self.size)]
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        base = self._bytes.ctypes.data
+        self._step_addr = [base + lr * _LINE_WORDS * 8 for lr in range(self.size)]
+        self._fence = threading.Lock()
         self._pidfds: dict[int, int] = {}
         try:
-            self._sock.bind(self._addrs[self.me])
             self._poll = select.poll()
-            self._poll.register(self._sock, select.POLLIN)
             for lr, pid in enumerate(pids):
                 if lr != self.me:
                     try:
@@ -91,7 +115,7 @@ class LocalGroup:
                                           ranks=(ranks[lr],)) from None
                     self._pidfds[fd] = lr
                     self._poll.register(fd, select.POLLIN)
-            self.sync()  # every rank bound its socket before anyone waits on it
+            self.sync()  # every rank has its pidfds before anyone relies on them
         except BaseException:
             self.close()
             raise
@@ -135,10 +159,11 @@ class LocalGroup:
         self._half ^= 1
         return self._half
 
-    def region(self, local_rank: int, half: int, dtype: np.dtype, count: int) -> np.ndarray:
-        """``count`` elements of ``local_rank``'s region (one half), viewed as ``dtype``."""
-        off = HEADER_BYTES + (2 * local_rank + half) * self.region_bytes
-        return self._bytes[off:off + count * dtype.itemsize].view(dtype)
+    def rows(self, half: int, dtype: np.dtype, count: int) -> np.ndarray:
+        """Every local rank's region (one half) at once: row ``lr`` is ``local_rank``'s
+        first ``count`` elements, viewed as ``dtype``."""
+        return np.ndarray((self.size, count), dtype, buffer=self._mm, offset=HEADER_BYTES + half * self.region_bytes,
+                          strides=(2 * self.region_bytes, dtype.itemsize))
 
     # -- synchronisation ---------------------------------------------------------------
 
@@ -154,12 +179,12 @@ class LocalGroup:
         if signature is not None:
             w[self.me * _LINE_WORDS + sig_word] = signature
         w[self.me * _LINE_WORDS] = self.step
-        for lr, addr in enumerate(self._addrs):
-            if lr != self.me:
-                try:
-                    self._sock.sendto(b"!", addr)
-                except OSError:  # a full queue already holds a wake-up; a dead peer's pidfd speaks
-                    pass
+        with self._fence:  # a locked instruction orders the store above before the loads below
+            pass
+        for lr in range(self.size):
+            if w[lr * _LINE_WORDS + _SLEEP] == self.me + 1:
+                _futex_wake(self._step_addr[self.me])
+                break
         self._wait(self.step)
         if signature is not None:
             others = {w[lr * _LINE_WORDS + sig_word] for lr in range(self.size)}
@@ -172,45 +197,39 @@ class LocalGroup:
         w = self._words
         return [lr for lr in range(self.size) if w[lr * _LINE_WORDS] < step]
 
-    def _arrived(self, step: int) -> bool:
-        w = self._words
-        for lr in range(self.size):
-            if w[lr * _LINE_WORDS] < step:
-                return False
-        return True
-
     def _wait(self, step: int) -> None:
-        if self._arrived(step):
+        missing = self._missing(step)
+        if not missing:
             return
         now = time.monotonic()
         spin_end, deadline = now + self.spin_s, now + self.timeout_s
         while time.monotonic() < spin_end:
-            if self._arrived(step):
+            if not self._missing(step):
                 return
+            os.sched_yield()
+        w = self._words
+        sleep_word = self.me * _LINE_WORDS + _SLEEP
         while True:
-            while True:  # drain wake-ups: one queued after the check below still ends the poll
-                try:
-                    self._sock.recv(16)
-                except BlockingIOError:
-                    break
-                except OSError as e:
-                    if e.errno != errno.EINTR:
-                        raise TransportError(f"shared-memory wake-up socket: {e.strerror}",
-                                             op="shared-memory wait") from e
             self._check_failure()
-            if self._arrived(step):
+            missing = self._missing(step)
+            if not missing:
                 return
+            for fd, _ in self._poll.poll(0):  # a dead peer never arrives: say who
+                dead = self.ranks[self._pidfds[fd]]
+                raise PeerFailure(f"rank {dead} died (its process exited) during a shared-memory "
+                                  f"collective", ranks=(dead,))
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = [self.ranks[lr] for lr in self._missing(step)]
-                raise Timeout(f"rank {self.ranks[self.me]}: local rank(s) {missing} did not arrive at a "
+                names = [self.ranks[lr] for lr in missing]
+                raise Timeout(f"rank {self.ranks[self.me]}: local rank(s) {names} did not arrive at a "
                               f"shared-memory step within {self.timeout_s:g}s",
-                              peer=f"rank {missing[0]}", op="shared-memory wait")
-            for fd, _ in self._poll.poll(max(1, int(left * 1000))):
-                if fd in self._pidfds and not self._arrived(step):
-                    dead = self.ranks[self._pidfds[fd]]
-                    raise PeerFailure(f"rank {dead} died (its process exited) during a shared-memory "
-                                      f"collective", ranks=(dead,))
+                              peer=f"rank {names[0]}", op="shared-memory wait")
+            lr = missing[0]
+            w[sleep_word] = lr + 1  # the futex system call below is a full barrier
+            seen = w[lr * _LINE_WORDS]
+            if seen < step and not w[_FAIL_WORD]:
+                _futex_wait(self._step_addr[lr], seen, min(left, DEATH_CHECK_S))
+            w[sleep_word] = 0
 
     # -- failure and shutdown ------------------------------------------------------------
 
@@ -223,12 +242,8 @@ class LocalGroup:
             self._mm[_NOTE_OFFSET:_NOTE_OFFSET + len(note)] = note
             self._words[_NOTE_LEN_WORD] = len(note)
             self._words[_FAIL_WORD] = 1
-        for lr, addr in enumerate(self._addrs):
-            if lr != self.me:
-                try:
-                    self._sock.sendto(b"!", addr)
-                except OSError:
-                    pass
+        for addr in self._step_addr:  # a waiter sleeps on some rank's counter: wake them all
+            _futex_wake(addr)
 
     def _check_failure(self) -> None:
         if self._words[_FAIL_WORD]:
@@ -241,8 +256,6 @@ class LocalGroup:
         if self._closed:
             return
         self._closed = True
-        if hasattr(self, "_sock"):
-            self._sock.close()
         for fd in getattr(self, "_pidfds", {}):
             os.close(fd)
         self._pidfds = {}

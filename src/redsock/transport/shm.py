@@ -167,11 +167,12 @@ class LocalGroup:
 
     # -- synchronisation ---------------------------------------------------------------
 
-    def sync(self, signature: int | None = None) -> None:
+    def sync(self, signature: int | None = None, spin_us: int | None = None) -> None:
         """Arrive at the next step and wait for every local rank to arrive there too.
 
         With ``signature`` (the call's, nonzero), check that every local rank arrived in
         the same call: a mismatch raises :class:`ProtocolError` on every rank alike.
+        ``spin_us``: how long to spin before sleeping (default: the group's).
         """
         self.step += 1
         w = self._words
@@ -185,7 +186,7 @@ class LocalGroup:
             if w[lr * _LINE_WORDS + _SLEEP] == self.me + 1:
                 _futex_wake(self._step_addr[self.me])
                 break
-        self._wait(self.step)
+        self._wait(self.step, self.spin_s if spin_us is None else spin_us / 1e6)
         if signature is not None:
             others = {w[lr * _LINE_WORDS + sig_word] for lr in range(self.size)}
             if len(others) > 1:
@@ -197,12 +198,12 @@ class LocalGroup:
         w = self._words
         return [lr for lr in range(self.size) if w[lr * _LINE_WORDS] < step]
 
-    def _wait(self, step: int) -> None:
+    def _wait(self, step: int, spin_s: float) -> None:
         missing = self._missing(step)
         if not missing:
             return
         now = time.monotonic()
-        spin_end, deadline = now + self.spin_s, now + self.timeout_s
+        spin_end, deadline = now + spin_s, now + self.timeout_s
         while time.monotonic() < spin_end:
             if not self._missing(step):
                 return

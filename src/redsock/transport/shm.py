@@ -103,6 +103,7 @@ class LocalGroup:
         base = self._bytes.ctypes.data
         self._step_addr = [base + lr * _LINE_WORDS * 8 for lr in range(self.size)]
         self._fence = threading.Lock()
+        self._steps = self._words[0:self.size * _LINE_WORDS:_LINE_WORDS]  # every rank's counter
         self._pidfds: dict[int, int] = {}
         try:
             self._poll = select.poll()
@@ -204,8 +205,9 @@ class LocalGroup:
             return
         now = time.monotonic()
         spin_end, deadline = now + spin_s, now + self.timeout_s
+        steps = self._steps
         while time.monotonic() < spin_end:
-            if not self._missing(step):
+            if min(steps) >= step:
                 return
             os.sched_yield()
         w = self._words
@@ -261,6 +263,7 @@ class LocalGroup:
             os.close(fd)
         self._pidfds = {}
         if hasattr(self, "_words"):
+            self._steps.release()
             self._words.release()
             del self._bytes
             try:

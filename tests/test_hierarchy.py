@@ -27,7 +27,9 @@ def run_hosts(scenario: str, env: dict | None = None, timeout: float = 300, serv
     prefix = f"rsh{os.getpid() % 100000}"
     world = len(PLACEMENT)
     with Testbed(workers=3, servers=servers, rate="10gbit", prefix=prefix) as tb:
-        common = {**os.environ, "TEST_STORE_HOST": tb.host_addr("w0"), "TEST_TIMEOUT_S": "30", **(env or {})}
+        # MASTER_ADDR: each rank advertises the address that routes there (its host's own).
+        common = {**os.environ, "TEST_STORE_HOST": tb.host_addr("w0"), "MASTER_ADDR": tb.host_addr("w0"),
+                  "TEST_TIMEOUT_S": "30", **(env or {})}
         if servers:
             reducers = [tb.popen(s, [sys.executable, "-m", "redsock", "serve", "--host", tb.host_addr(s),
                                      "--port", "7700"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

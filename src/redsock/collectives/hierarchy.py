@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -88,16 +87,17 @@ class Hierarchy:
         (an async call running on the communicator's thread and a synchronous one may overlap)."""
         return next(self._tickets)
 
-    @contextmanager
-    def turn(self, ticket: int) -> Iterator[None]:
-        with self._turn:
-            if not self._turn.wait_for(lambda: self._next == ticket or self._broken, self._timeout_s):
-                raise Timeout(f"an earlier shared-memory collective did not finish in {self._timeout_s:g}s",
-                              op="shared-memory collective")
-            if self._broken:
-                raise PeerFailure("the communicator failed or was closed", ranks=())
+    def in_turn(self, ticket: int, body: Callable[[CallContext], None], ctx: CallContext) -> None:
+        """Run ``body(ctx)`` once the calls drawn before ``ticket`` are done with the arena."""
+        if self._next != ticket or self._broken:  # (no lock needed to see that it is our turn)
+            with self._turn:
+                if not self._turn.wait_for(lambda: self._next == ticket or self._broken, self._timeout_s):
+                    raise Timeout(f"an earlier shared-memory collective did not finish in {self._timeout_s:g}s",
+                                  op="shared-memory collective")
+                if self._broken:
+                    raise PeerFailure("the communicator failed or was closed", ranks=())
         try:
-            yield
+            body(ctx)
         finally:
             with self._turn:
                 self._next = ticket + 1

@@ -329,8 +329,10 @@ def reduce_rows(rows: np.ndarray, op: ReduceOp | str, n: int, out: np.ndarray) -
     floats widened by numpy's cast): for small buffers, where per-call overhead dominates.
     """
     op = ReduceOp.parse(op)
-    acc = _UFUNC[op].reduce(rows, axis=0, dtype=_ACCUM[check_dtype(rows.dtype)])
-    return finalize(acc, op, n, out)
+    wide = _ACCUM[check_dtype(rows.dtype)]
+    if wide == out.dtype and op is not ReduceOp.AVG:  # nothing to finish: reduce straight into out
+        return _UFUNC[op].reduce(rows, axis=0, out=out)
+    return finalize(_UFUNC[op].reduce(rows, axis=0, dtype=wide), op, n, out)
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:

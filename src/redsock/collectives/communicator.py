@@ -265,11 +265,7 @@ class Communicator:
             seq = self._seq
             self._seq += 1
             if shared:
-                ticket, inner = self.hier.ticket(), body
-
-                def body(ctx: CallContext) -> None:
-                    with self.hier.turn(ticket):
-                        inner(ctx)
+                body = functools.partial(self.hier.in_turn, self.hier.ticket(), body)
         check = _signature_check(name, signature)
         ctx = CallContext(self.peers, self.rank, self.world_size, _COLLECTIVE_TAG | seq, check,
                           self.config.timeout_s, self._pool, seq, self.servers)

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,9 +41,13 @@ REGION_BYTES = 4 * MiB
 #: Up to this size a single-host all-reduce has every rank reduce the whole buffer (one
 #: synchronisation instead of two), and a multi-host one sends a single shard between hosts.
 WHOLE_MAX_BYTES = 64 * KiB
-#: Longest spin (yielding) before a wait blocks: 4 ranks on 2 cores, 8 B all-reduce, 0 / 50 /
-#: 200 us: 351 / 169 / 350 us per call (a longer spin starves the rank being waited for).
+#: How long a wait spins (yielding the CPU) before it sleeps: about as long as the wait is
+#: expected to be.  Pieces of MiBs keep peers copying for milliseconds: spin briefly.  A small
+#: call waits only for the peers' Python overhead, and a sleep plus wake-up costs more than
+#: that on an oversubscribed machine (4 ranks, 2 cores, 8 B all-reduce at 50 / 500 / 2000 us
+#: of spin: 330 / 237 / 231 us per call, against gloo's 850-970 us in the same runs).
 SPIN_MAX_US = 50
+SPIN_SMALL_US = 2000
 
 
 class Hierarchy:
@@ -84,16 +87,17 @@ class Hierarchy:
         (an async call running on the communicator's thread and a synchronous one may overlap)."""
         return next(self._tickets)
 
-    @contextmanager
-    def turn(self, ticket: int) -> Iterator[None]:
-        with self._turn:
-            if not self._turn.wait_for(lambda: self._next == ticket or self._broken, self._timeout_s):
-                raise Timeout(f"an earlier shared-memory collective did not finish in {self._timeout_s:g}s",
-                              op="shared-memory collective")
-            if self._broken:
-                raise PeerFailure("the communicator failed or was closed", ranks=())
+    def in_turn(self, ticket: int, body: Callable[[CallContext], None], ctx: CallContext) -> None:
+        """Run ``body(ctx)`` once the calls drawn before ``ticket`` are done with the arena."""
+        if self._next != ticket or self._broken:  # (no lock needed to see that it is our turn)
+            with self._turn:
+                if not self._turn.wait_for(lambda: self._next == ticket or self._broken, self._timeout_s):
+                    raise Timeout(f"an earlier shared-memory collective did not finish in {self._timeout_s:g}s",
+                                  op="shared-memory collective")
+                if self._broken:
+                    raise PeerFailure("the communicator failed or was closed", ranks=())
         try:
-            yield
+            body(ctx)
         finally:
             with self._turn:
                 self._next = ticket + 1
@@ -112,7 +116,7 @@ class Hierarchy:
             n = hi - lo
             views = g.rows(g.next_half(), dt, n)
             views[me] = xf[lo:hi]
-            g.sync(sig)
+            g.sync(sig, SPIN_SMALL_US if whole else None)
             sig = None
             if whole and self.nhosts == 1:  # every rank reduces everything, in the same order
                 ops.reduce_rows(views, op, self.world, xf[lo:hi])
@@ -124,7 +128,7 @@ class Hierarchy:
                 if self.inter is not None:
                     self._inter_all_reduce(acc, op)
                 ops.finalize(acc, op, self.world, views[me][a:b])
-            g.sync()
+            g.sync(None, SPIN_SMALL_US if whole else None)
             for j, (a, b) in enumerate(bounds):
                 xf[lo + a:lo + b] = views[j][a:b]
 
@@ -155,11 +159,11 @@ class Hierarchy:
                 self.inter.broadcast(xf[lo:hi], root_host)
 
     def barrier(self, ctx: CallContext) -> None:
-        self.local.sync(_signature(ctx))
+        self.local.sync(_signature(ctx), SPIN_SMALL_US)
         if self.nhosts > 1:
             if self.local.me == 0:
                 self.inter.barrier()
-            self.local.sync()
+            self.local.sync(None, SPIN_SMALL_US)
 
     def all_gather(self, ctx: CallContext, x: np.ndarray, out: np.ndarray) -> None:
         """Single host: every rank writes its input, then reads everyone's."""

@@ -103,6 +103,7 @@ class LocalGroup:
         base = self._bytes.ctypes.data
         self._step_addr = [base + lr * _LINE_WORDS * 8 for lr in range(self.size)]
         self._fence = threading.Lock()
+        self._steps = self._words[0:self.size * _LINE_WORDS:_LINE_WORDS]  # every rank's counter
         self._pidfds: dict[int, int] = {}
         try:
             self._poll = select.poll()
@@ -167,11 +168,12 @@ class LocalGroup:
 
     # -- synchronisation ---------------------------------------------------------------
 
-    def sync(self, signature: int | None = None) -> None:
+    def sync(self, signature: int | None = None, spin_us: int | None = None) -> None:
         """Arrive at the next step and wait for every local rank to arrive there too.
 
         With ``signature`` (the call's, nonzero), check that every local rank arrived in
         the same call: a mismatch raises :class:`ProtocolError` on every rank alike.
+        ``spin_us``: how long to spin before sleeping (default: the group's).
         """
         self.step += 1
         w = self._words
@@ -185,7 +187,7 @@ class LocalGroup:
             if w[lr * _LINE_WORDS + _SLEEP] == self.me + 1:
                 _futex_wake(self._step_addr[self.me])
                 break
-        self._wait(self.step)
+        self._wait(self.step, self.spin_s if spin_us is None else spin_us / 1e6)
         if signature is not None:
             others = {w[lr * _LINE_WORDS + sig_word] for lr in range(self.size)}
             if len(others) > 1:
@@ -197,14 +199,15 @@ class LocalGroup:
         w = self._words
         return [lr for lr in range(self.size) if w[lr * _LINE_WORDS] < step]
 
-    def _wait(self, step: int) -> None:
+    def _wait(self, step: int, spin_s: float) -> None:
         missing = self._missing(step)
         if not missing:
             return
         now = time.monotonic()
-        spin_end, deadline = now + self.spin_s, now + self.timeout_s
+        spin_end, deadline = now + spin_s, now + self.timeout_s
+        steps = self._steps
         while time.monotonic() < spin_end:
-            if not self._missing(step):
+            if min(steps) >= step:
                 return
             os.sched_yield()
         w = self._words
@@ -260,6 +263,7 @@ class LocalGroup:
             os.close(fd)
         self._pidfds = {}
         if hasattr(self, "_words"):
+            self._steps.release()
             self._words.release()
             del self._bytes
             try:

@@ -244,11 +244,77 @@ def ring_loop(comm, rank, world):
     raise AssertionError("a stalled rank went unnoticed")
 
 
+def auto_matrix(comm, rank, world):
+    """Every op x dtype through the default choice (shared memory / hierarchy when a host runs
+    several ranks; TEST_EXPECT_HIER says whether it must), sizes that span several pieces."""
+    expect = os.environ.get("TEST_EXPECT_HIER")
+    if expect is not None:
+        assert (comm.hier is not None) == (expect == "1"), f"hierarchy {comm.hier} but expected {expect}"
+    for opname in OPS:
+        op = ops.ReduceOp.parse(opname)
+        for dname in DTYPES:
+            dt = ops.dtype_from_name(dname)
+            for n in (0, 1, 7, 1000, 65537, 300_001, 1_100_000 if dt.itemsize >= 4 else 2_200_001):
+                x = make_input(n, dt, op, rank, 3)
+                comm.all_reduce(x, opname)
+                wrong = count_wrong(x, reference(n, dt, op, world, 3))
+                assert wrong == 0, f"auto {opname} {dname} n={n}: {wrong} wrong"
+                digest(x)
+    shm_files = [f for f in os.listdir("/dev/shm") if f.startswith("redsock-")
+                 and f.split("-")[1] in {str(p) for p in comm.peers.topology.pids}]
+    assert not shm_files, f"arena still linked after every rank attached: {shm_files}"
+    others(comm, rank, world)
+
+
+def dies_auto(comm, rank, world):
+    """A rank killed mid-collective (kill -9 of itself) with the default choice."""
+    comm.barrier()
+    if rank == world - 1:
+        threading.Timer(0.05, lambda: os.kill(os.getpid(), 9)).start()
+    x = np.ones(int(os.environ.get("TEST_COUNT", str(8 << 20))), np.float32)
+    t0 = time.monotonic()
+    try:
+        for _ in range(100_000):
+            comm.all_reduce(x)
+    except PeerFailure as e:
+        print(f"raised PeerFailure ranks={list(e.ranks)} after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+        return
+    raise AssertionError("a dead rank went unnoticed")
+
+
+def shm_mismatch(comm, rank, world):
+    x = np.ones(1000 if rank != 1 else 1001, np.float32)
+    try:
+        comm.all_reduce(x)
+    except RedsockError as e:
+        print(f"raised {type(e).__name__}: {e}", flush=True)
+        return
+    raise AssertionError("a size mismatch went unnoticed")
+
+
+def raises(comm, rank, world):
+    comm.all_reduce(np.ones(10, np.float32))
+    raise RuntimeError("the training script fails")
+
+
+def closes(comm, rank, world):
+    """close(): the arena's mapping is gone from this process."""
+    comm.all_reduce(np.ones(10, np.float32))
+    maps = open("/proc/self/maps").read()
+    assert "/dev/shm/redsock-" in maps, "no shared arena mapped"
+    comm.close()
+    import gc
+    gc.collect()
+    assert "/dev/shm/redsock-" not in open("/proc/self/maps").read(), "arena still mapped after close()"
+
+
 def main():
     scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+    # In the testbed, rank 0 hosts the store in its own namespace (TEST_STORE_HOST).
+    host = os.environ.get("TEST_STORE_HOST", "127.0.0.1")
+    store = TCPStore(host, port, world, is_master=host != "127.0.0.1" and rank == 0, timeout=timedelta(seconds=60))
     with redsock.init(rank, world, store, timeout_s=float(os.environ.get("TEST_TIMEOUT_S", "30"))) as comm:
         globals()[scenario](comm, rank, world)
     print("ok", flush=True)

@@ -36,7 +36,7 @@ def test_parse_result_reads_the_last_result_line():
 def test_summary_takes_medians_and_counts_reducer_hosts():
     def res(sps, rtos=0):
         return {"steps": 10, "time_s": 10 / sps, "steps_per_s": sps, "final_loss": 9.0, "grad_bytes": 100,
-                "tcp": {"RetransSegs": 5, "TCPTimeouts": rtos}}
+                "tcp": {"RetransSegs": 5, "TCPTimeouts": rtos}, "machine_busy": 0.9}
 
     rows = ddp_testbed.summarize({"gloo": [res(2.0), res(1.0), res(3.0)],
                                   "server": [res(3.0), res(4.0, rtos=2), res(2.0, rtos=1)]},

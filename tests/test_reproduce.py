@@ -268,7 +268,7 @@ def test_quick_plan_measures_every_claim(tmp_path: Path) -> None:
     s = R.settings_from_args(parse(["--quick"]))
     steps = {st.key: st for st in R.make_plan(s, tmp_path, "rsrpx")}
     assert list(steps) == ["transport", "allreduce-n2", "ring1-n2", "latency-n2", "allreduce-n4", "ring1-n4",
-                           "latency-n4", "ddp-n4"]
+                           "latency-n4", "multirank-h4x2", "multirank-ring-h4x2", "ddp-n4"]
     ring1 = steps["ring1-n4"]
     assert ring1.env == {"REDSOCK_NSOCKS": "1"} and ring1.series == {"ring": "ring1"}
     argv = list(ring1.argv)

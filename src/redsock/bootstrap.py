@@ -17,6 +17,7 @@ import struct
 import threading
 import time
 import zlib
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -82,6 +83,65 @@ def interface_address(ifname: str) -> str:
     return socket.inet_ntoa(packed[20:24])
 
 
+def host_identity() -> str:
+    """What the kernel says a host is: its boot id and this process's network namespace
+    (two processes share a host iff both agree; two testbed namespaces are two hosts)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:  # no procfs: every process is a host of its own (no shared memory)
+        return f"{socket.gethostname()}/pid{os.getpid()}"
+    return f"{boot}/{netns}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which ranks share a host, as observed at rendezvous (LOCAL_RANK is not trusted).
+
+    ``hosts``: the ranks of each host in rank order, hosts ordered by their lowest rank.
+    A host's ranks need not be consecutive, nor equal in number across hosts.
+    """
+
+    rank: int
+    hosts: tuple[tuple[int, ...], ...]
+    pids: tuple[int, ...]
+
+    @classmethod
+    def from_identities(cls, rank: int, idents: list[str], pids: list[int]) -> "Topology":
+        groups: dict[str, list[int]] = {}
+        for r, ident in enumerate(idents):
+            groups.setdefault(ident, []).append(r)
+        return cls(rank, tuple(tuple(g) for g in groups.values()), tuple(pids))
+
+    @property
+    def host(self) -> int:
+        """Index of this rank's host."""
+        return next(h for h, ranks in enumerate(self.hosts) if self.rank in ranks)
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        return self.hosts[self.host]
+
+    @property
+    def local_rank(self) -> int:
+        return self.local_ranks.index(self.rank)
+
+    @property
+    def local_size(self) -> int:
+        return len(self.local_ranks)
+
+    @property
+    def shards(self) -> int:
+        """Shards a hierarchical all-reduce cuts a buffer into: one per rank of the smallest
+        host, owned by local ranks 0..shards-1 of every host."""
+        return min(len(h) for h in self.hosts)
+
+    def inter_host_group(self, shard: int) -> tuple[int, ...]:
+        """The ranks that own ``shard`` on every host, in host order."""
+        return tuple(h[shard] for h in self.hosts)
+
+
 class PeerTable:
     """Connections of one rank to the others, opened on first use."""
 
@@ -96,6 +156,7 @@ class PeerTable:
             with _gen_lock:
                 _generation += 1
                 namespace = str(_generation)
+        self.group, self.namespace = group, namespace
         self.prefix = f"redsock/{group}/{namespace}/"
         # Handshake names are short (32 bytes on the wire): a digest of the prefix, then the rank.
         self._ident = f"{zlib.crc32(self.prefix.encode()):08x}:r"
@@ -107,6 +168,25 @@ class PeerTable:
         host = local_address(config, advertise_toward)
         self.listener = Listener(host, 0, config=config, on_connection=self._accepted)
         store.set(self.prefix + f"addr/{rank}", f"{host}:{self.listener.address[1]}")
+        try:
+            self.topology = self._exchange_topology()
+        except BaseException:
+            self.listener.close()
+            raise
+
+    def _exchange_topology(self) -> Topology:
+        """Every rank publishes its host identity and pid once; all read everyone's."""
+        self.store.set(self.prefix + f"host/{self.rank}", f"{os.getpid()} {host_identity()}")
+        idents, pids = [], []
+        for r in range(self.world_size):
+            try:
+                value = self.store.get(self.prefix + f"host/{r}")
+            except Exception as e:
+                raise PeerFailure(f"rank {self.rank}: rank {r} never published its host: {e}", ranks=(r,)) from e
+            pid, _, ident = (value.decode() if isinstance(value, bytes) else str(value)).partition(" ")
+            pids.append(int(pid))
+            idents.append(ident)
+        return Topology.from_identities(self.rank, idents, pids)
 
     def name(self, rank: int) -> str:
         return f"{self._ident}{rank}"

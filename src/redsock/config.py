@@ -23,8 +23,9 @@ GiB = 1024 * MiB
 MAX_NSOCKS = 16
 LOCAL_CHUNK_BYTES = 4 * MiB  # slice size floor of the same-host profile (Config.local_nsocks)
 BALANCES = ("dynamic", "static")
-ALGOS = ("auto", "ring", "small", "server")
+ALGOS = ("auto", "ring", "small", "server", "hier")
 FALLBACKS = ("none", "ring")
+SWITCHES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,16 @@ class Config:
     #: Address to bind listeners to, or the interface whose address to use.
     bind_addr: str | None = None
     ifname: str | None = None
-    #: All-reduce algorithm: auto, ring, small (latency-optimised) or server.
+    #: All-reduce algorithm: auto, ring, small (latency-optimised), server, or hier (shared memory
+    #: inside each host, then ring/small/server between hosts).
     algo: str = "auto"
+    #: Shared memory among the ranks of one host: "auto" (used whenever a host runs several
+    #: ranks) or "off" (every collective over Fast Socket).
+    shm: str = "auto"
+    #: Hierarchical collectives across hosts (reduce inside each host over shared memory, one
+    #: shard per local rank between hosts): "auto" (whenever a host runs several ranks) or "off"
+    #: (flat algorithms between hosts; a single-host job still uses shared memory).
+    hierarchy: str = "auto"
     #: Reduction servers, "host:port" each.
     servers: tuple[str, ...] = ()
     #: Largest piece of an all-reduce sent to a reduction server (the testbed at 1 Gbit/s:
@@ -95,6 +104,8 @@ class Config:
         check(self.max_message_bytes > 0, "max_message_bytes must be > 0")
         check(self.algo in ALGOS, f"algo must be one of {ALGOS}, got {self.algo!r}")
         check(self.piece_bytes >= 4 * KiB, f"piece_bytes must be >= 4 KiB, got {self.piece_bytes}")
+        check(self.shm in SWITCHES, f"shm must be one of {SWITCHES}, got {self.shm!r}")
+        check(self.hierarchy in SWITCHES, f"hierarchy must be one of {SWITCHES}, got {self.hierarchy!r}")
         check(self.server_fallback in FALLBACKS, f"server_fallback must be one of {FALLBACKS}")
         for s in self.servers:
             parse_hostport(s)

@@ -322,6 +322,19 @@ def finalize(acc: np.ndarray, op: ReduceOp | str, n: int, out: np.ndarray) -> np
     return out
 
 
+def reduce_rows(rows: np.ndarray, op: ReduceOp | str, n: int, out: np.ndarray) -> np.ndarray:
+    """Reduce the rows of 2-D ``rows`` (contributions, in row order) into ``out`` and return it.
+
+    The same result as init_acc/combine/finalize over the rows, in one ufunc call (16-bit
+    floats widened by numpy's cast): for small buffers, where per-call overhead dominates.
+    """
+    op = ReduceOp.parse(op)
+    wide = _ACCUM[check_dtype(rows.dtype)]
+    if wide == out.dtype and op is not ReduceOp.AVG:  # nothing to finish: reduce straight into out
+        return _UFUNC[op].reduce(rows, axis=0, out=out)
+    return finalize(_UFUNC[op].reduce(rows, axis=0, dtype=wide), op, n, out)
+
+
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     """True if ``a`` and ``b`` are the very same elements (not merely overlapping)."""
     return a is b or (a.dtype == b.dtype and a.shape == b.shape and a.strides == b.strides

@@ -26,7 +26,7 @@ from ..config import parse_size
 from ..errors import ConfigError, RedsockError
 from .procs import stop_processes
 
-REDSOCK_ALGOS = ("auto", "ring", "small", "server")
+REDSOCK_ALGOS = ("auto", "ring", "small", "server", "hier")
 CHECK_BLOCK = 1 << 22  # elements checked at a time
 
 
@@ -195,8 +195,9 @@ def run_rank(args: argparse.Namespace) -> int:
                 warm, iters = _iters_for(nbytes, args)
                 times = _time_algo(fn, x, warm, iters, comm, args.back_to_back)
                 wrong = _check(fn, count, dtype, op, rank, world, comm) if args.check else -1
+                extra = route(comm, nbytes, algo) if algo != "gloo" else {"scheme": "flat", "inter": "ring"}
                 rows.append(report.Row.from_times("gloo" if algo == "gloo" else "redsock", algo, world, nbytes,
-                                                  count, dtype.name, op.name.lower(), times, wrong))
+                                                  count, dtype.name, op.name.lower(), times, wrong, extra=extra))
                 progress.advance(f"{algo} {nbytes} B")
     finally:
         progress.close()
@@ -216,6 +217,22 @@ def run_rank(args: argparse.Namespace) -> int:
             print(f"# check: {wrong} wrong elements over {len(rows)} rows")
         return 1 if wrong else 0
     return 0
+
+
+def route(comm, nbytes: int, algo: str) -> dict[str, str]:
+    """How ``comm`` runs an all-reduce of ``nbytes`` asked as ``algo``: ``scheme`` "flat" (every
+    rank on the network on its own) or "hierarchical" (reduced inside each host first), and
+    ``inter``, the algorithm between hosts (for a hierarchical one, its inter-host group's
+    choice for one shard; "none" when no host link is crossed).  The benchmarks' bounds
+    follow from it."""
+    chosen = comm.choose_algorithm(nbytes, None if algo == "auto" else algo)
+    if chosen != "hier":
+        return {"scheme": "flat", "inter": chosen}
+    hier = comm.hier
+    if hier.inter is None:  # one host, or a local rank that owns no shard
+        return {"scheme": "hierarchical", "inter": "none"}
+    shard = min(nbytes, hier.local.region_bytes) // hier.topology.shards
+    return {"scheme": "hierarchical", "inter": hier.inter.choose_algorithm(shard, None)}
 
 
 def _check(fn, count: int, dtype: np.dtype, op: ops.ReduceOp, rank: int, world: int, comm) -> int:
@@ -326,7 +343,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--back-to-back", action="store_true",
                    help="time per call = the slowest rank's total over -n back-to-back calls (median of "
                         f"{B2B_ROUNDS} rounds), not the median of per-call maxima")
-    p.add_argument("--algo", default="auto,gloo", help="comma-separated: auto, ring, small, server, gloo")
+    p.add_argument("--algo", default="auto,gloo", help="comma-separated: auto, ring, small, server, hier, gloo")
     p.add_argument("-c", "--check", action="store_true", help="validate results (the #wrong column)")
     p.add_argument("--json", metavar="FILE", help="write one JSON object per row")
     p.add_argument("--plot", metavar="FILE.png", help="plot bus bandwidth and latency against size")

@@ -4,16 +4,21 @@ Builds a :class:`~redsock.testbed.Testbed` star — workers ``w0..`` and reducer
 ``s0..``, every host link shaped to ``--rate`` in both directions — then
 
 * starts one ``redsock serve`` per reducer host, listening on that host's address;
-* starts one rank per worker host running this same ``bench allreduce`` command
-  (minus the testbed options) with the torchrun variables (``MASTER_ADDR`` = w0's
-  address, rank 0 hosts the store there), ``REDSOCK_SERVERS`` naming the reducers
-  and ``GLOO_SOCKET_IFNAME`` the host's interface, so every algorithm of
-  ``--algo`` (e.g. ``server,ring,gloo``) is measured on the same ranks in one run;
+* starts ``--ranks-per-host`` L ranks on every one of the ``--workers`` H worker
+  hosts (N = H x L ranks, consecutive ranks on one host as torchrun numbers them;
+  ``--workers`` counts hosts, so with the default L = 1 it is also the number of
+  ranks), each running this same ``bench allreduce`` command (minus the testbed
+  options) with the torchrun variables (``MASTER_ADDR`` = w0's address, rank 0
+  hosts the store there), ``REDSOCK_SERVERS`` naming the reducers and
+  ``GLOO_SOCKET_IFNAME`` the host's interface, so every algorithm of ``--algo``
+  (e.g. ``server,ring,gloo``) is measured on the same ranks in one run;
 * relays rank 0's tables, adds a summary against the link — the link rate, its
   payload goodput (``rate x GOODPUT_FACTOR``: tc counts frame headers, the testbed
-  measured 95.6 % goodput) and per size each redsock algorithm's algbw as a share
-  of it and as a ratio to gloo's, next to the ideal ratio (``2(N-1)/N`` for the
-  reduction server) — plus the reducers' peak RSS and the CPU the run took;
+  measured 95.6 % goodput), per row the bytes one host link carries per byte of
+  buffer (:func:`~.testbed_launch.host_nic_factor`: flat ring 2(N-1)/N,
+  hierarchical ring 2(H-1)/H, flat reducers L, hierarchical reducers 1), the algbw
+  bound that gives, the share of it reached and the ratio to gloo's algbw next to
+  the ideal one — plus the reducers' peak RSS and the CPU the run took;
 * writes ``--json`` / ``--plot`` from rank 0's rows (each row's ``extra.testbed``
   records the topology).
 
@@ -40,8 +45,9 @@ from ..testbed import netns as nx
 from ..testbed.cluster import PROFILES, Testbed
 from ..testbed.netns import format_rate, parse_rate
 from . import report
-from .testbed_launch import (GOODPUT_FACTOR, SERVER_PORT, Proc, box_cpu, proc_status, set_congestion_control,
-                             start_ranks, start_servers, stop, tail, tcp_counters, tcp_delta, tcp_line, wait_ranks)
+from .testbed_launch import (GOODPUT_FACTOR, SERVER_PORT, Proc, box_cpu, host_nic_factor, proc_status,
+                             set_congestion_control, start_ranks, start_servers, stop, tail, tcp_counters, tcp_delta,
+                             tcp_line, wait_ranks)
 
 __all__ = ["GOODPUT_FACTOR", "add_arguments", "child_argv", "run", "summary_table"]
 
@@ -54,7 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--testbed", action="store_true",
                    help="run every rank in its own network namespace with shaped links, "
                         "and one reduction server per reducer host (--timeout bounds the whole run)")
-    g.add_argument("--workers", type=int, default=4, help="with --testbed: worker hosts / ranks (default 4)")
+    g.add_argument("--workers", type=int, default=4,
+                   help="with --testbed: worker hosts (default 4); ranks = workers x --ranks-per-host")
+    g.add_argument("--ranks-per-host", type=int, default=1, metavar="L",
+                   help="with --testbed: ranks on every worker host, consecutive as torchrun numbers them "
+                        "(default 1)")
     g.add_argument("--servers", type=int, help="with --testbed: reducer hosts (default: as many as workers)")
     g.add_argument("--rate", default="2gbit", help="with --testbed: link rate each way, e.g. 2gbit, 800mbit")
     g.add_argument("--profile", default="uniform", choices=PROFILES,
@@ -108,36 +118,53 @@ def child_argv(args: argparse.Namespace, json_path: str | None) -> list[str]:
 
 # -- the summary -------------------------------------------------------------------
 
-def ideal_over_gloo(algo: str, world: int) -> float | None:
-    """algbw ratio against gloo's ring when both are link-bound: a reduction server moves
-    S each way per worker against 2S(N-1)/N for a ring; a ring matches a ring."""
-    if algo == "server":
-        return 2 * (world - 1) / world if world > 1 else None
-    if algo == "ring":
-        return 1.0
-    return None
+def ideal_over_gloo(algo: str, world: int, hosts: int | None = None, scheme: str = "flat") -> float | None:
+    """algbw ratio against gloo's flat ring when both are link-bound: the ratio of the bytes
+    their host links carry (:func:`host_nic_factor`; ``hosts`` defaults to one rank per host)."""
+    hosts = world if hosts is None else hosts
+    mine = host_nic_factor(algo, world, hosts, scheme)
+    gloo = host_nic_factor("gloo", world, hosts)
+    return gloo / mine if mine and gloo else None
+
+
+def row_route(r: report.Row) -> tuple[str, str]:
+    """(algorithm between hosts, scheme) of a row, as its rank recorded it (see
+    ``allreduce.route``); gloo runs a flat ring, a row that records nothing its own algo, flat."""
+    if r.algo == "gloo":
+        return "gloo", "flat"
+    return r.extra.get("inter", r.algo), r.extra.get("scheme", "flat")
 
 
 def summary_table(rows: Sequence[report.Row], rate_bps: int, workers: int, servers: int,
-                  profile: str) -> str:
-    """Per size, each redsock algorithm's algbw against the link goodput and against gloo."""
+                  profile: str, ranks_per_host: int = 1) -> str:
+    """Per size, each algorithm's algbw against its link bound and against gloo's."""
     goodput = rate_bps * GOODPUT_FACTOR / 8 / 1e9  # GB/s of payload one link direction carries
-    out = [f"# testbed: {workers} workers, {servers} reducers, {profile} links at {format_rate(rate_bps)} "
+    ranks = f" x {ranks_per_host} ranks (N={workers * ranks_per_host})" if ranks_per_host > 1 else ""
+    out = [f"# testbed: {workers} workers{ranks}, {servers} reducers, {profile} links at {format_rate(rate_bps)} "
            f"each way; link goodput = {format_rate(rate_bps)} x {GOODPUT_FACTOR} = {goodput:.4f} GB/s",
-           "# algbw in GB/s; %good = algbw / link goodput; /gloo = algbw / gloo's algbw (same size, this run); "
-           "ideal /gloo = 2(N-1)/N for server, 1 for ring"]
+           "# route = flat (every rank on the network) or hier (reduced inside each host first) : the algorithm "
+           "between hosts, as the ranks chose it; algbw in GB/s; NIC/S = bytes each way through one host link per byte of buffer (ring: flat 2(N-1)/N, "
+           "hierarchical 2(H-1)/H; reducers: flat L, hierarchical 1); bound = goodput / NIC/S; "
+           "%bound = algbw / bound; /gloo = algbw / gloo's algbw (same size, this run); "
+           "ideal = gloo's NIC/S / this NIC/S"]
     gloo = {(r.world, r.bytes, r.dtype, r.op): r for r in rows if r.algo == "gloo"}
-    out.append(f"#{'size':>9} {'algo':>7} {'time(us)':>10} {'algbw':>9} {'%good':>7} {'gloo':>9} {'/gloo':>7} "
-               f"{'ideal':>6} {'#wrong':>7}")
+    out.append(f"#{'size':>9} {'algo':>7} {'route':>12} {'time(us)':>10} {'algbw':>9} {'NIC/S':>6} {'bound':>8} "
+               f"{'%bound':>7} {'gloo':>9} {'/gloo':>7} {'ideal':>6} {'#wrong':>7}")
     for r in sorted(rows, key=lambda r: (r.bytes, r.algo == "gloo")):
         g = None if r.algo == "gloo" else gloo.get((r.world, r.bytes, r.dtype, r.op))
-        ideal = ideal_over_gloo(r.algo, r.world)
+        inter, scheme = row_route(r)
+        factor = host_nic_factor(inter, r.world, workers, scheme)
+        bound = goodput / factor if factor else None
+        ideal = None if r.algo == "gloo" else ideal_over_gloo(inter, r.world, workers, scheme)
+        how = f"{scheme[:4]}:{'ring' if inter == 'gloo' else inter}"
         out.append(
-            f"{report.human_size(r.bytes, sep=''):>10} {r.algo:>7} {_us(r.median_s):>10} {r.algbw_GBps:9.4f} "
-            f"{100 * r.algbw_GBps / goodput:6.1f}% "
+            f"{report.human_size(r.bytes, sep=''):>10} {r.algo:>7} {how:>12} {_us(r.median_s):>10} "
+            f"{r.algbw_GBps:9.4f} {(f'{factor:6.2f}' if factor else '-'):>6} "
+            f"{(f'{bound:8.4f}' if bound else '-'):>8} "
+            f"{(f'{100 * r.algbw_GBps / bound:6.1f}%' if bound else '-'):>7} "
             f"{(f'{g.algbw_GBps:9.4f}' if g else '-'):>9} "
             f"{(f'{r.algbw_GBps / g.algbw_GBps:7.2f}' if g and g.algbw_GBps > 0 else '-'):>7} "
-            f"{(f'{ideal:6.2f}' if ideal and r.algo != 'gloo' else '-'):>6} "
+            f"{(f'{ideal:6.2f}' if ideal else '-'):>6} "
             f"{('N/A' if r.wrong < 0 else str(r.wrong)):>7}")
     return "\n".join(out)
 
@@ -197,7 +224,9 @@ def run(args: argparse.Namespace) -> int:
     from .transport_testbed import _no_interrupts, _terminate_as_interrupt
 
     if args.nprocs:
-        raise ConfigError("--testbed starts one rank per worker host: drop --nprocs (use --workers)")
+        raise ConfigError("--testbed starts --ranks-per-host ranks on each of --workers hosts: drop --nprocs")
+    if args.ranks_per_host < 1:
+        raise ConfigError("--ranks-per-host must be >= 1")
     servers = args.workers if args.servers is None else args.servers
     rate = parse_rate(args.rate)
     algos = [a.strip() for a in args.algo.split(",") if a.strip()]
@@ -219,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
         relays: list[threading.Thread] = []
         try:
             print(f"# testbed {prefix}: building {args.workers} workers + {servers} reducers, "
-                  f"{args.profile} links at {format_rate(rate)}", flush=True)
+                  f"{args.profile} links at {format_rate(rate)}; {args.ranks_per_host} rank(s) per worker, "
+                  f"{args.workers * args.ranks_per_host} in all", flush=True)
             tb.up()
             cc = set_congestion_control(tb, args.tcp_cc)
             print(f"# TCP congestion control in the hosts: {cc}", flush=True)
@@ -228,7 +258,8 @@ def run(args: argparse.Namespace) -> int:
             links0, tcp0 = link_counters(tb), tcp_counters(tb)
             cpu0 = {s.name: proc_status(s.proc.pid).get("cpu_s", 0.0) for s in server_procs}
             box0, t0 = box_cpu(), time.monotonic()
-            ranks, relays = start_ranks(tb, [sys.executable, "-m", "redsock", *argv], logdir)
+            ranks, relays = start_ranks(tb, [sys.executable, "-m", "redsock", *argv], logdir,
+                                        ranks_per_host=args.ranks_per_host)
             why = wait_ranks(ranks, server_procs, deadline, args.timeout)
             wall = time.monotonic() - t0
             box1 = box_cpu()
@@ -272,13 +303,14 @@ def _report(args: argparse.Namespace, tb: Testbed, ranks: list[Proc], servers: l
     rows = report.read_json(json_path) if json_path.exists() else []
     if rows:
         meta = {"workers": tb.workers, "servers": nservers, "rate_bps": rate, "profile": tb.profile,
-                "goodput_factor": GOODPUT_FACTOR}
+                "goodput_factor": GOODPUT_FACTOR, "ranks_per_host": args.ranks_per_host}
         rows = [replace(r, extra={**r.extra, "testbed": meta}) for r in rows]
-        print(summary_table(rows, rate, tb.workers, nservers, tb.profile))
+        print(summary_table(rows, rate, tb.workers, nservers, tb.profile, args.ranks_per_host))
         if args.json:
             report.write_json(rows, args.json)
         if args.plot:
-            report.plot(rows, args.plot, title=f"{tb.workers} workers, {nservers} reducers, "
+            per_host = f" x {args.ranks_per_host} ranks" if args.ranks_per_host > 1 else ""
+            report.plot(rows, args.plot, title=f"{tb.workers} workers{per_host}, {nservers} reducers, "
                                                 f"{format_rate(rate)} links")
     elif rc == 0:
         print("redsock: rank 0 wrote no results", file=sys.stderr)

@@ -2,12 +2,18 @@
 
 Builds one :class:`~redsock.testbed.Testbed` (workers ``w0..`` and reducers ``s0..``,
 every link shaped to ``--rate`` both ways), starts a ``redsock serve`` per reducer
-host, then trains ``examples/train_lm.py`` on every worker host once per algorithm
-of ``--algos``:
+host, then trains ``examples/train_lm.py`` with ``--ranks-per-host`` L ranks on every
+one of the ``--workers`` H worker hosts (N = H x L ranks, consecutive on a host as
+torchrun numbers them; ``--workers`` counts hosts, so with the default L = 1 it is
+also the number of ranks) once per algorithm of ``--algos``:
 
 * ``gloo``   — ``--backend gloo`` (torch's own, the baseline);
 * ``ring``   — ``--backend redsock`` with ``REDSOCK_ALGO=ring`` (Fast Socket ring);
-* ``server`` — ``--backend redsock`` with ``REDSOCK_ALGO=server`` (the reducers).
+* ``server`` — ``--backend redsock`` with ``REDSOCK_ALGO=server`` (the reducers, every
+  rank on its own);
+* ``auto``   — ``--backend redsock`` with ``REDSOCK_ALGO=auto``, the reducers set: what a
+  user gets by default (with several ranks per host, a hierarchical all-reduce where
+  redsock chooses one).
 
 The training script is unchanged between them: only the backend name and the
 environment differ, as for a user.  ``--repeats`` rounds run the algorithms in
@@ -38,8 +44,8 @@ from ..errors import ConfigError, RedsockError
 from ..testbed import netns as nx
 from ..testbed.cluster import PROFILES, Testbed
 from ..testbed.netns import format_rate, parse_rate
-from .testbed_launch import (MASTER_PORT, Proc, set_congestion_control, start_ranks, start_servers, stop, tail,
-                             tcp_counters, tcp_delta, tcp_line, wait_ranks)
+from .testbed_launch import (MASTER_PORT, Proc, box_cpu, rank0_output, set_congestion_control, start_ranks, start_servers,
+                             stop, tail, tcp_counters, tcp_delta, tcp_line, wait_ranks)
 
 __all__ = ["ALGOS", "add_arguments", "parse_result", "run", "summarize", "train_script"]
 
@@ -48,7 +54,10 @@ ALGOS: dict[str, tuple[str, dict[str, str]]] = {
     "gloo": ("gloo", {}),
     "ring": ("redsock", {"REDSOCK_ALGO": "ring"}),
     "server": ("redsock", {"REDSOCK_ALGO": "server"}),
+    "auto": ("redsock", {"REDSOCK_ALGO": "auto"}),
 }
+#: Algorithms that use the reducers (their hosts count in the cost per step).
+USES_SERVERS = ("server", "auto")
 _RESULT = re.compile(r"^RESULT (.*)$", re.M)
 
 
@@ -64,11 +73,14 @@ def train_script() -> Path:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--testbed", action="store_true", required=True,
                    help="run every rank in its own network namespace with shaped links (needs root)")
-    p.add_argument("--workers", type=int, default=4, help="worker hosts / ranks (default 4)")
+    p.add_argument("--workers", type=int, default=4,
+                   help="worker hosts (default 4); ranks = workers x --ranks-per-host")
+    p.add_argument("--ranks-per-host", type=int, default=1, metavar="L",
+                   help="ranks on every worker host, consecutive as torchrun numbers them (default 1)")
     p.add_argument("--servers", type=int, help="reducer hosts (default: as many as workers)")
     p.add_argument("--rate", default="1gbit", help="link rate each way (default 1gbit)")
     p.add_argument("--profile", default="uniform", choices=PROFILES, help="link profile (default uniform)")
-    p.add_argument("--algos", default="gloo,ring,server", help="comma-separated: gloo, ring, server")
+    p.add_argument("--algos", default="gloo,ring,server", help="comma-separated: gloo, ring, server, auto")
     p.add_argument("--steps", type=int, default=20, help="training steps per run (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of steps/s (default 5)")
     p.add_argument("--repeats", type=int, default=1, help="rounds over the algorithms; median reported")
@@ -102,22 +114,26 @@ def parse_result(text: str) -> dict[str, Any]:
     return out
 
 
-def summarize(results: dict[str, list[dict[str, Any]]], workers: int, servers: int, rate: int
-              ) -> list[dict[str, Any]]:
-    """One object per algorithm: median steps/s over its runs, ratio to gloo, host-seconds per step."""
+def summarize(results: dict[str, list[dict[str, Any]]], workers: int, servers: int, rate: int,
+              ranks_per_host: int = 1) -> list[dict[str, Any]]:
+    """One object per algorithm: median steps/s over its runs, ratio to gloo, host-seconds per step
+    (``workers`` counts worker hosts, each running ``ranks_per_host`` ranks)."""
     out = []
     for algo, runs in results.items():
         sps = statistics.median(r["steps_per_s"] for r in runs)
-        used_servers = servers if algo == "server" else 0
+        used_servers = servers if algo in USES_SERVERS else 0
         hosts = workers + used_servers
         last = runs[-1]
         out.append({"algo": algo, "backend": ALGOS[algo][0], "workers": workers, "servers": used_servers,
+                    "ranks_per_host": ranks_per_host, "world": workers * ranks_per_host,
                     "rate_bps": rate, "steps": last["steps"], "runs": [r["steps_per_s"] for r in runs],
                     "time_s": statistics.median(r["time_s"] for r in runs), "steps_per_s": sps,
                     "final_loss": last["final_loss"], "grad_bytes": last.get("grad_bytes", 0),
                     "hosts": hosts, "host_s_per_step": hosts / sps,
                     # Retransmission timeouts over all runs: each stalls a flow >= 200 ms.
-                    "tcp_timeouts": sum(r["tcp"]["TCPTimeouts"] for r in runs)})
+                    "tcp_timeouts": sum(r["tcp"]["TCPTimeouts"] for r in runs),
+                    # How busy the whole machine was (a CPU-bound run does not measure the network).
+                    "machine_busy": statistics.median(r["machine_busy"] for r in runs)})
     gloo = next((o for o in out if o["algo"] == "gloo"), None)
     for o in out:
         o["vs_gloo"] = o["steps_per_s"] / gloo["steps_per_s"] if gloo else None
@@ -125,17 +141,19 @@ def summarize(results: dict[str, list[dict[str, Any]]], workers: int, servers: i
     return out
 
 
-def format_summary(rows: Sequence[dict[str, Any]], workers: int, rate: int) -> str:
-    lines = [f"# DDP {workers} workers, links at {format_rate(rate)}: median steps/s over the runs; "
-             "x gloo = steps/s ratio; host-s/step counts reducer hosts; RTOs = TCP retransmission timeouts, all runs",
+def format_summary(rows: Sequence[dict[str, Any]], workers: int, rate: int, ranks_per_host: int = 1) -> str:
+    ranks = f" x {ranks_per_host} ranks (N={workers * ranks_per_host})" if ranks_per_host > 1 else ""
+    lines = [f"# DDP {workers} workers{ranks}, links at {format_rate(rate)}: median steps/s over the runs; "
+             "x gloo = steps/s ratio; host-s/step counts reducer hosts; RTOs = TCP retransmission timeouts, all runs; "
+             "busy = the whole machine's CPU use during a run (median)",
              f"#{'algo':>7} {'steps/s':>9} {'x gloo':>7} {'hosts':>6} {'host-s/step':>12} {'cost x gloo':>12}"
-             f" {'loss':>8} {'RTOs':>5}  runs"]
+             f" {'loss':>8} {'RTOs':>5} {'busy':>5}  runs"]
     for o in rows:
         vs = f"{o['vs_gloo']:.2f}" if o["vs_gloo"] else "-"
         cost = f"{o['cost_vs_gloo']:.2f}" if o["cost_vs_gloo"] else "-"
         runs = " ".join(f"{x:.3f}" for x in o["runs"])
         lines.append(f"{o['algo']:>8} {o['steps_per_s']:9.3f} {vs:>7} {o['hosts']:>6} {o['host_s_per_step']:12.2f}"
-                     f" {cost:>12} {o['final_loss']:8.4f} {o['tcp_timeouts']:5d}  {runs}")
+                     f" {cost:>12} {o['final_loss']:8.4f} {o['tcp_timeouts']:5d} {o['machine_busy']:5.0%}  {runs}")
     return "\n".join(lines)
 
 
@@ -155,10 +173,12 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not algos:
         raise ConfigError(f"--algos: unknown {', '.join(unknown) or '(none)'}; known: {', '.join(ALGOS)}")
     servers = args.workers if args.servers is None else args.servers
-    if "server" in algos and servers < 1:
-        raise ConfigError("--algos server needs --servers >= 1")
+    if set(algos) & set(USES_SERVERS) and servers < 1:
+        raise ConfigError("--algos server / auto need --servers >= 1")
     if args.workers < 2:
         raise ConfigError("--workers must be >= 2")
+    if args.ranks_per_host < 1:
+        raise ConfigError("--ranks-per-host must be >= 1")
     if args.steps <= args.warmup or args.warmup < 0:
         raise ConfigError("--steps must exceed --warmup (>= 0)")
     if args.repeats < 1 or args.timeout <= 0:
@@ -168,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     rate = parse_rate(args.rate)
     train_script()
     nx.require_root("redsock bench ddp --testbed")
-    if "server" not in algos:
+    if not set(algos) & set(USES_SERVERS):
         servers = 0
     prefix = args.prefix or f"rsdp{os.getpid()}"
     tb = Testbed(workers=args.workers, servers=servers, rate=rate, profile=args.profile, prefix=prefix)
@@ -180,8 +200,8 @@ def run(args: argparse.Namespace) -> int:
         server_procs: list[Proc] = []
         ranks: list[Proc] = []
         try:
-            print(f"# testbed {prefix}: {args.workers} workers + {servers} reducers, {args.profile} links "
-                  f"at {format_rate(rate)}", flush=True)
+            print(f"# testbed {prefix}: {args.workers} workers x {args.ranks_per_host} rank(s) + {servers} reducers, "
+                  f"{args.profile} links at {format_rate(rate)}", flush=True)
             tb.up()
             print(f"# TCP congestion control in the hosts: {set_congestion_control(tb, args.tcp_cc)}", flush=True)
             if servers:
@@ -192,10 +212,11 @@ def run(args: argparse.Namespace) -> int:
                     backend, env = ALGOS[algo]
                     tag = f".{algo}{rep}"
                     print(f"# run {rep + 1}/{args.repeats}: {algo} (--backend {backend})", flush=True)
-                    tcp0 = tcp_counters(tb)
+                    tcp0, box0 = tcp_counters(tb), box_cpu()
                     # A fresh store port per run: the last run's may linger in TIME_WAIT.
                     ranks, relays = start_ranks(tb, _train_argv(args, backend), logdir, env,
-                                                 master_port=MASTER_PORT + 1 + n, tag=tag)
+                                                 master_port=MASTER_PORT + 1 + n, tag=tag,
+                                                 ranks_per_host=args.ranks_per_host)
                     n += 1
                     why = wait_ranks(ranks, server_procs, deadline, args.timeout)
                     stop(ranks)
@@ -209,9 +230,13 @@ def run(args: argparse.Namespace) -> int:
                                 print(f"--- {p.name} (exit {p.proc.returncode}) ---\n{tail(p.log) or '(no output)'}",
                                       file=sys.stderr)
                         raise RedsockError(f"{algo} run {rep + 1} failed: {why}")
-                    result = parse_result((logdir / f"w0{tag}.log").read_text())
+                    result = parse_result(rank0_output(tb, logdir, args.ranks_per_host, tag).read_text())
                     result["tcp"] = tcp_delta(tcp0, tcp_counters(tb))
+                    box1 = box_cpu()
+                    result["machine_busy"] = (box1[0] - box0[0]) / max(1, box1[1] - box0[1])
                     print(f"# TCP during the run, all hosts: {tcp_line(result['tcp'])}", flush=True)
+                    print(f"# CPU during the run: the whole machine {result['machine_busy']:.0%} busy "
+                          f"({os.cpu_count()} cores, start-up included)", flush=True)
                     results[algo].append(result)
             for s in server_procs:
                 if s.proc.poll() is not None:
@@ -225,8 +250,8 @@ def run(args: argparse.Namespace) -> int:
                 tb.down()
     done = {a: r for a, r in results.items() if r}
     if done:
-        rows = summarize(done, args.workers, servers, rate)
-        print(format_summary(rows, args.workers, rate), flush=True)
+        rows = summarize(done, args.workers, servers, rate, args.ranks_per_host)
+        print(format_summary(rows, args.workers, rate, args.ranks_per_host), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 for o in rows:

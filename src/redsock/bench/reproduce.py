@@ -16,6 +16,9 @@ rewritten by every run).  The claims and where they are measured:
 3. Small-message latency against N: ring O(N) steps, reducers 2 hops whatever N.
 4. DDP training steps/s and host-seconds per step (``bench ddp --testbed``),
    counting reducer hosts.
+5. Several ranks per host (``bench allreduce --testbed --ranks-per-host 2``): gloo's
+   flat ring, redsock's ring and the reducers, each against the bytes its scheme puts
+   through a host's link (``testbed_launch.host_nic_factor``).
 
 An all-reduce on per-flow links (``--only perflow``) is opt-in: the testbed classifies
 by source port only, see :data:`PERFLOW_CAVEAT`.
@@ -47,7 +50,7 @@ from ..config import parse_size
 from ..errors import ConfigError, RedsockError
 from ..testbed.netns import format_rate, parse_rate
 from . import report
-from .testbed_launch import GOODPUT_FACTOR, tail
+from .testbed_launch import GOODPUT_FACTOR, host_nic_factor, tail
 from .procs import stop_processes
 
 __all__ = [
@@ -56,7 +59,7 @@ __all__ = [
     "render_markdown", "run", "transport_points", "transport_table",
 ]
 
-SECTIONS = ("transport", "allreduce", "latency", "perflow", "ddp")
+SECTIONS = ("transport", "allreduce", "latency", "perflow", "ddp", "multirank")
 #: Series of the all-reduce figures, in display order, with their labels.
 SERIES_LABELS = {
     "gloo": "gloo",
@@ -64,7 +67,12 @@ SERIES_LABELS = {
     "ring": "redsock ring, Fast Socket",
     "server": "redsock reducers",
     "auto": "redsock auto (small-message algorithm)",
+    "gloo2": "gloo (run without reducers)",
+    "auto-servers": "redsock auto, reducers set",
+    "auto-ring": "redsock auto, no reducers",
 }
+#: The algorithm between hosts of a hierarchical series, in words.
+_INTER = {"server": "reducers", "ring": "ring", "small": "recursive doubling", "none": "nothing"}
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 #: The testbed benchmark's CPU line: "... ranks 21.0 s, reducers 3.2 s (= 35% of 2 cores) ..."
 _CPU_RE = re.compile(r"\(= (\d+)% of \d+ cores\)")
@@ -88,7 +96,7 @@ class Settings:
 
     mode: str
     #: "perflow" is opt-in (``--only``): see :data:`PERFLOW_CAVEAT`
-    sections: tuple[str, ...] = ("transport", "allreduce", "latency", "ddp")
+    sections: tuple[str, ...] = ("transport", "allreduce", "latency", "ddp", "multirank")
     workers: tuple[int, ...] = (2, 4, 8)  #: N for the all-reduce and latency sweeps (reducers = N)
     rate: str = "1gbit"  #: link rate of the all-reduce, latency and DDP clusters
     nsocks: int = 4  #: Fast Socket data streams (REDSOCK_NSOCKS) of the "Fast Socket" series
@@ -108,6 +116,13 @@ class Settings:
     ddp_workers: tuple[int, ...] = (4, 8)  #: reducers = workers
     ddp_steps: tuple[int, int] = (30, 5)  #: --steps, --warmup
     ddp_repeats: int = 2  #: rounds over the algorithms (median), where the benchmark offers --repeats
+    #: several ranks per host: hosts (reducers = hosts), ranks per host, link rate (low enough that
+    #: the 3H processes on this machine's cores stay link-bound), sizes, -n / -w
+    multirank_hosts: int = 4
+    ranks_per_host: int = 2
+    multirank_rate: str = "300mbit"
+    multirank_sizes: tuple[str, str, int] = ("32M", "64M", 2)
+    multirank_iters: tuple[int, int] = (5, 2)
     timeout_scale: float = 1.0  #: every step's deadline is multiplied by this
 
     def validate(self) -> Settings:
@@ -115,9 +130,12 @@ class Settings:
         bad = [s for s in self.sections if s not in SECTIONS]
         if bad or not self.sections:
             raise ConfigError(f"unknown section(s) {', '.join(bad) or '(none)'}; choose from {', '.join(SECTIONS)}")
-        for n in (*self.workers, *self.ddp_workers, self.perflow_workers):
+        for n in (*self.workers, *self.ddp_workers, self.perflow_workers, self.multirank_hosts):
             if not 2 <= n <= 100:
                 raise ConfigError(f"worker counts must be 2..100, got {n}")
+        if self.ranks_per_host < 1:
+            raise ConfigError(f"ranks per host must be >= 1, got {self.ranks_per_host}")
+        parse_rate(self.multirank_rate)
         if not self.workers:
             raise ConfigError("need at least one worker count")
         parse_rate(self.rate)
@@ -138,7 +156,8 @@ PLANS: dict[str, Settings] = {
         mode="quick", workers=(2, 4),
         transport_sizes="1M,16M,64M", transport_iters=2, transport_reps=2, transport_extra_nsocks="",
         ar_sizes=("1M", "64M", 4), ar_iters=(5, 2), lat_sizes=("8", "1K", 128), lat_iters=(30, 10),
-        ddp_workers=(4,), ddp_steps=(10, 3), ddp_repeats=1),
+        ddp_workers=(4,), ddp_steps=(10, 3), ddp_repeats=1,
+        multirank_sizes=("32M", "32M", 2), multirank_iters=(3, 1)),
     # The end-to-end test: one N, one or two sizes, seconds per step.
     "smoke": Settings(
         mode="smoke", sections=("transport", "allreduce", "latency"), workers=(2,),
@@ -183,15 +202,17 @@ def make_plan(s: Settings, results_dir: Path, prefix: str) -> list[Step]:
 
     def allreduce(key: str, section: str, title: str, n: int, servers: int, algos: str,
                   sizes: tuple[str, str, int], iters: tuple[int, int], nsocks: int, timeout: float,
-                  series: dict[str, str], profile: str = "uniform") -> Step:
+                  series: dict[str, str], profile: str = "uniform", ranks_per_host: int = 1,
+                  rate: str | None = None) -> Step:
         tool_timeout = max(30.0, timeout * scale - 30)  # the tool tears down before we kill it
-        argv = ("bench", "allreduce", "--testbed", "--workers", str(n), "--servers", str(servers),
-                "--rate", s.rate, "--profile", profile, "--tcp-cc", s.tcp_cc, "--prefix", prefix,
+        per_host = ("--ranks-per-host", str(ranks_per_host)) if ranks_per_host > 1 else ()
+        argv = ("bench", "allreduce", "--testbed", "--workers", str(n), *per_host, "--servers", str(servers),
+                "--rate", rate or s.rate, "--profile", profile, "--tcp-cc", s.tcp_cc, "--prefix", prefix,
                 "--algo", algos, "-b", sizes[0], "-e", sizes[1], "-f", str(sizes[2]),
                 "-n", str(iters[0]), "-w", str(iters[1]), "--timeout", f"{tool_timeout:.0f}",
                 "--json", js(key))
-        return Step(key, section, title, argv, timeout * scale, {"REDSOCK_NSOCKS": str(nsocks)}, n,
-                    profile, series)
+        return Step(key, section, title, argv, timeout * scale, {"REDSOCK_NSOCKS": str(nsocks)},
+                    n * ranks_per_host, profile, series)
 
     if "transport" in s.sections:
         argv = ["bench", "transport", "--testbed", "perflow", "--rates", s.transport_rates,
@@ -230,6 +251,23 @@ def make_plan(s: Settings, results_dir: Path, prefix: str) -> list[Step]:
             f"perflow-ring1-n{n}", "perflow", f"all-reduce under per-flow imbalance, {n} workers, "
             "ring over 1 socket", n, 0, "ring", s.perflow_sizes, s.perflow_iters, 1, 90 + 3 * n * big,
             {"ring": "ring1"}, profile="perflow"))
+    if "multirank" in s.sections:
+        h, per = s.multirank_hosts, s.ranks_per_host
+        # Seconds per MiB of the largest size at this rate, x the bytes per host link of the three
+        # series (at most 2 x S each), x iterations plus warm-up, x 2 for two slow cores, plus start-up.
+        mib_s = 8 * (1 << 20) / (parse_rate(s.multirank_rate) * GOODPUT_FACTOR)
+        big = parse_size(s.multirank_sizes[1]) / (1 << 20)
+        timeout = 120 + 3 * 2 * mib_s * big * (sum(s.multirank_iters) + 1) * 2
+        # What a user gets: redsock's default choice (auto) with reducers set and without, each run
+        # next to gloo and to the same algorithm with every rank on the network on its own.
+        steps.append(allreduce(
+            f"multirank-h{h}x{per}", "multirank", f"all-reduce, {h} hosts x {per} ranks + {h} reducers", h, h,
+            "gloo,auto,server", s.multirank_sizes, s.multirank_iters, s.nsocks, timeout,
+            {"gloo": "gloo", "auto": "auto-servers", "server": "server"}, ranks_per_host=per, rate=s.multirank_rate))
+        steps.append(allreduce(
+            f"multirank-ring-h{h}x{per}", "multirank", f"all-reduce, {h} hosts x {per} ranks, no reducers", h, 0,
+            "gloo,auto,ring", s.multirank_sizes, s.multirank_iters, s.nsocks, timeout,
+            {"gloo": "gloo2", "auto": "auto-ring", "ring": "ring"}, ranks_per_host=per, rate=s.multirank_rate))
     if "ddp" in s.sections:
         for n in s.ddp_workers:
             steps_, warm = s.ddp_steps
@@ -250,24 +288,38 @@ def link_goodput_GBps(rate_bps: float, factor: float = GOODPUT_FACTOR) -> float:
     return rate_bps * factor / 8 / 1e9
 
 
-def traffic_factor(series: str, world: int) -> float:
-    """Bytes each worker sends per byte of all-reduce buffer: 2(N-1)/N for a ring (gloo's
-    too), 1 for the reducers (S out, S in)."""
-    if world < 2:
-        raise ConfigError(f"world must be >= 2, got {world}")
-    return 1.0 if series == "server" else 2 * (world - 1) / world
+def series_algo(series: str) -> str:
+    """The algorithm behind a series: ``server`` for the reducers', ``auto`` (chosen by size)
+    for auto's, else a ring (gloo's, redsock's over one socket or Fast Socket)."""
+    return "server" if series.startswith("server") else "auto" if series.startswith("auto") else "ring"
 
 
-def algbw_bound_GBps(series: str, world: int, rate_bps: float, factor: float = GOODPUT_FACTOR) -> float:
+def traffic_factor(series: str, world: int, hosts: int | None = None, scheme: str = "flat") -> float:
+    """Bytes each host's link carries each way per byte of all-reduce buffer, ``world`` ranks
+    on ``hosts`` hosts (default: one rank per host): with one rank per host 2(N-1)/N for a
+    ring (gloo's too) and 1 for the reducers (S out, S in); with L ranks per host see
+    :func:`~.testbed_launch.host_nic_factor` (ring 2(N-1)/N flat, 2(H-1)/H hierarchical;
+    reducers L flat, 1 hierarchical)."""
+    hosts = world if hosts is None else hosts
+    if world < 2 or hosts < 2:
+        raise ConfigError(f"world and hosts must be >= 2, got {world} ranks on {hosts} hosts")
+    factor = host_nic_factor(series_algo(series), world, hosts, scheme)
+    if factor is None:
+        raise ConfigError(f"no traffic bound for series {series!r}")
+    return factor
+
+
+def algbw_bound_GBps(series: str, world: int, rate_bps: float, factor: float = GOODPUT_FACTOR,
+                     hosts: int | None = None, scheme: str = "flat") -> float:
     """The algbw a link-bound all-reduce reaches: link goodput / bytes per byte of buffer."""
-    return link_goodput_GBps(rate_bps, factor) / traffic_factor(series, world)
+    return link_goodput_GBps(rate_bps, factor) / traffic_factor(series, world, hosts, scheme)
 
 
-def ideal_over_gloo(series: str, world: int) -> float | None:
-    """algbw ratio against gloo's ring when both are link-bound (None for gloo itself)."""
+def ideal_over_gloo(series: str, world: int, hosts: int | None = None, scheme: str = "flat") -> float | None:
+    """algbw ratio against gloo's flat ring when both are link-bound (None for gloo itself)."""
     if series == "gloo" or series == "auto":
         return None
-    return traffic_factor("gloo", world) / traffic_factor(series, world)
+    return traffic_factor("gloo", world, hosts) / traffic_factor(series, world, hosts, scheme)
 
 
 def latency_growth_model(series: str, n_lo: int, n_hi: int) -> float | None:
@@ -337,6 +389,10 @@ def _r(x: float | None, fmt: str = "{:.2f}x") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
 def transport_table(points: Sequence[TransportPoint]) -> str:
     """Markdown: throughput against the classes' goodput, and the Fast Socket ratios."""
     lines = [("| size | configuration | classes hit | Gbit/s | bound Gbit/s | / bound | dynamic / static | "
@@ -358,14 +414,23 @@ class ArPoint:
     series: str
     row: report.Row
     rate_bps: float
-    bound_GBps: float
+    bound_GBps: float | None  #: None where no host link is crossed or the algorithm has no closed form
     over_gloo: float | None
     ideal_over_gloo: float | None
     over_one_socket: float | None  #: Fast Socket ring / ring over 1 socket, same size
+    scheme: str = "flat"  #: "hierarchical" where the ranks of a host reduced among themselves first
+    inter: str = "ring"  #: the algorithm between hosts
 
     @property
-    def of_bound(self) -> float:
-        return self.row.algbw_GBps / self.bound_GBps
+    def of_bound(self) -> float | None:
+        return self.row.algbw_GBps / self.bound_GBps if self.bound_GBps else None
+
+    @property
+    def label(self) -> str:
+        label = SERIES_LABELS.get(self.series, self.series)
+        if self.scheme == "hierarchical":
+            return f"{label}: hierarchical, {_INTER.get(self.inter, self.inter)} between hosts"
+        return label
 
 
 def tag_rows(rows: Iterable[report.Row], step: Step) -> list[report.Row]:
@@ -384,6 +449,17 @@ def _testbed_meta(r: report.Row) -> tuple[float, float, str]:
     return float(tb["rate_bps"]), float(tb.get("goodput_factor", GOODPUT_FACTOR)), tb.get("profile", "uniform")
 
 
+def _placement(r: report.Row) -> tuple[int, str, str]:
+    """(worker hosts, scheme, algorithm between hosts) of a tagged row.  Rows of one rank per
+    host may name no ranks per host; rows that record no route (``allreduce.route``) ran
+    their series' algorithm flat; gloo's ring is always flat."""
+    hosts = int(r.extra.get("testbed", {}).get("workers", r.world))
+    series = r.extra["series"]
+    if series.startswith("gloo"):
+        return hosts, "flat", "ring"
+    return hosts, r.extra.get("scheme", "flat"), r.extra.get("inter", series_algo(series))
+
+
 def allreduce_points(rows: Iterable[report.Row]) -> dict[tuple[str, int], list[ArPoint]]:
     """Tagged rows (see :func:`tag_rows`) grouped per (profile, N), each with its bound
     and its ratios to gloo and to the one-socket ring of the same size."""
@@ -393,17 +469,22 @@ def allreduce_points(rows: Iterable[report.Row]) -> dict[tuple[str, int], list[A
     out: dict[tuple[str, int], list[ArPoint]] = {}
     for (profile, world), rs in sorted(groups.items()):
         by = {(r.extra["series"], r.bytes): r for r in rs}
+        by_step = {(r.extra["step"], r.bytes): r for r in rs if r.extra["series"].startswith("gloo")}
         pts = []
         for r in rs:
             series = r.extra["series"]
             rate, gf, _ = _testbed_meta(r)
-            gloo = by.get(("gloo", r.bytes)) if series != "gloo" else None
+            hosts, scheme, inter = _placement(r)
+            # gloo of the same run first (a section may run several), else of the same N
+            gloo = (by_step.get((r.extra["step"], r.bytes), by.get(("gloo", r.bytes)))
+                    if not series.startswith("gloo") else None)
             one = by.get(("ring1", r.bytes)) if series == "ring" else None
+            factor = host_nic_factor(inter, world, hosts, scheme)
+            ideal = None if series.startswith("gloo") or not factor else traffic_factor("gloo", world, hosts) / factor
             pts.append(ArPoint(
-                series, r, rate, algbw_bound_GBps(series, world, rate, gf),
-                r.algbw_GBps / gloo.algbw_GBps if gloo and gloo.algbw_GBps > 0 else None,
-                ideal_over_gloo(series, world),
-                r.algbw_GBps / one.algbw_GBps if one and one.algbw_GBps > 0 else None))
+                series, r, rate, link_goodput_GBps(rate, gf) / factor if factor else None,
+                r.algbw_GBps / gloo.algbw_GBps if gloo and gloo.algbw_GBps > 0 else None, ideal,
+                r.algbw_GBps / one.algbw_GBps if one and one.algbw_GBps > 0 else None, scheme, inter))
         order = list(SERIES_LABELS)
         out[(profile, world)] = sorted(pts, key=lambda p: (p.row.bytes, order.index(p.series)
                                                            if p.series in order else 99))
@@ -422,8 +503,9 @@ def allreduce_table(points: Sequence[ArPoint]) -> str:
              "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in points:
         r = p.row
-        lines.append(f"| {report.human_size(r.bytes)} | {SERIES_LABELS.get(p.series, p.series)} | {_us(r.median_s)} "
-                     f"| {r.algbw_GBps:.4f} | {r.busbw_GBps:.4f} | {p.bound_GBps:.4f} | {100 * p.of_bound:.1f}% "
+        lines.append(f"| {report.human_size(r.bytes)} | {p.label} | {_us(r.median_s)} "
+                     f"| {r.algbw_GBps:.4f} | {r.busbw_GBps:.4f} | {_r(p.bound_GBps, '{:.4f}')} "
+                     f"| {_r(None if p.of_bound is None else 100 * p.of_bound, '{:.1f}%')} "
                      f"| {_r(p.over_gloo)} | {_r(p.ideal_over_gloo)} | {_r(p.over_one_socket)} |")
     return "\n".join(lines)
 
@@ -481,21 +563,25 @@ def ddp_points(objs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     check_ddp(objs)
     out = []
     for o in objs:
-        n = int(o["workers"])
-        gloo = next((g for g in objs if g["algo"] == "gloo" and int(g["workers"]) == n), None)
-        series = "server" if o["algo"] == "server" else "ring"
-        bytes_per_step = float(o["grad_bytes"]) * traffic_factor(series, n)
+        # Results of one rank per host name no ranks per host, world and scheme.
+        n, world, scheme = int(o["workers"]), int(o.get("world", o["workers"])), o.get("scheme", "flat")
+        gloo = next((g for g in objs if g["algo"] == "gloo" and int(g["workers"]) == n
+                     and int(g.get("world", n)) == world), None)
+        # "auto" is whatever redsock chose per bucket: no closed form
+        factor = None if o["algo"] == "auto" else host_nic_factor(series_algo(o["algo"]), world, n, scheme)
+        bytes_per_step = float(o["grad_bytes"]) * (factor or 0.0)
         bound = link_goodput_GBps(float(o["rate_bps"])) * 1e9 / bytes_per_step if bytes_per_step > 0 else None
         p = dict(o)
         p["over_gloo"] = (o["steps_per_s"] / gloo["steps_per_s"]
                           if gloo and gloo is not o and gloo["steps_per_s"] > 0 else None)
-        p["ideal_over_gloo"] = None if o["algo"] == "gloo" else ideal_over_gloo(series, n)
+        p["ideal_over_gloo"] = (None if o["algo"] == "gloo" or not factor
+                                else traffic_factor("gloo", world, n) / factor)
         p["comm_bound_steps_per_s"] = bound
         p["of_bound"] = o["steps_per_s"] / bound if bound else None
         p["cost_over_gloo"] = (o["host_s_per_step"] / gloo["host_s_per_step"]
                                if gloo and gloo is not o and gloo["host_s_per_step"] > 0 else None)
         out.append(p)
-    order = {"gloo": 0, "ring": 1, "server": 2}
+    order = {"gloo": 0, "ring": 1, "server": 2, "auto": 3}
     return sorted(out, key=lambda p: (int(p["workers"]), order.get(p["algo"], 9)))
 
 
@@ -574,7 +660,8 @@ def headline(results: Sequence[StepResult]) -> list[tuple[str, str, str]]:
     """(claim, measured here, bound or ideal) for the summary table; failed steps listed last."""
     out: list[tuple[str, str, str]] = []
     for sections, part in ((("transport",), _headline_transport), (("allreduce", "perflow"), _headline_allreduce),
-                           (("latency",), _headline_latency), (("ddp",), _headline_ddp)):
+                           (("latency",), _headline_latency), (("ddp",), _headline_ddp),
+                           (("multirank",), _headline_multirank)):
         rows = _data(results, *sections)
         if not rows:
             continue
@@ -610,14 +697,31 @@ def _headline_allreduce(rows: list[Any]) -> list[tuple[str, str, str]]:
         ring = big.get("ring")
         if ring and ring.over_one_socket is not None:
             out.append((f"Fast Socket ring vs 1 socket ({where})",
-                        f"{_r(ring.over_one_socket)}; ring at {100 * ring.of_bound:.0f}% of its bound",
+                        f"{_r(ring.over_one_socket)}; ring at {_pct(ring.of_bound)} of its bound",
                         "1.00x on uniform links (one flow fills a link)" if profile == "uniform"
                         else "sum of the classes hit / the slowest class"))
         srv = big.get("server")
         if srv:
             out.append((f"Reducers vs gloo algbw ({where})",
-                        f"{_r(srv.over_gloo)}; reducers at {100 * srv.of_bound:.0f}% of link goodput",
+                        f"{_r(srv.over_gloo)}; reducers at {_pct(srv.of_bound)} of link goodput",
                         f"ideal {_r(srv.ideal_over_gloo)} = 2(N-1)/N"))
+    return out
+
+
+def _headline_multirank(rows: list[Any]) -> list[tuple[str, str, str]]:
+    out = []
+    for (_, n), pts in allreduce_points(rows).items():
+        top = max(p.row.bytes for p in pts)
+        hosts = _placement(pts[0].row)[0]
+        where = f"{hosts} hosts x {n // hosts} ranks, {report.human_size(top)}"
+        for p in pts:
+            if p.row.bytes == top and not p.series.startswith("gloo"):
+                mine = host_nic_factor(p.inter, n, hosts, p.scheme)
+                out.append((f"{p.label} vs gloo's flat ring ({where})",
+                            f"{_r(p.over_gloo)}; at {_pct(p.of_bound)} of its bound",
+                            f"ideal {_r(p.ideal_over_gloo)} (bytes per host link: gloo "
+                            f"{traffic_factor('gloo', n, hosts):.2f} S, this "
+                            + (f"{mine:.2f} S)" if mine else "no closed form)")))
     return out
 
 
@@ -642,7 +746,7 @@ def _headline_ddp(rows: list[Any]) -> list[tuple[str, str, str]]:
     out = []
     for p in ddp_points(rows):
         if p["algo"] != "gloo":
-            who = "reducers" if p["algo"] == "server" else "redsock ring"
+            who = {"server": "reducers", "ring": "redsock ring"}.get(p["algo"], f"redsock {p['algo']}")
             out.append((f"DDP training speed-up, {who} vs gloo (N={p['workers']})",
                         (f"{_r(p['over_gloo'])} steps/s; cost per step {_r(p['cost_over_gloo'])} gloo's "
                          f"({p['hosts']} hosts)"), f"ideal {_r(p['ideal_over_gloo'])} if communication-bound"))
@@ -704,6 +808,9 @@ def render_markdown(info: RunInfo, results: Sequence[StepResult]) -> str:
          f"kernel default ({m.get('TCP congestion control (default)', '?')}) |"),
         (f"| DDP | {', '.join(f'{n}+{n}' for n in s.ddp_workers)} workers+reducers, {s.ddp_steps[0]} steps, "
          f"{s.ddp_steps[1]} warm-up" + (f", median of {s.ddp_repeats} rounds |" if s.ddp_repeats > 1 else " |")),
+        (f"| several ranks per host | {s.multirank_hosts} hosts x {s.ranks_per_host} ranks + "
+         f"{s.multirank_hosts} reducers at {s.multirank_rate}; sizes {s.multirank_sizes[0]} .. "
+         f"{s.multirank_sizes[1]}, x{s.multirank_sizes[2]}; -n {s.multirank_iters[0]} -w {s.multirank_iters[1]} |"),
         f"| python | `{info.python}` (written `python` below) |",
         f"| namespace prefix | {info.prefix} |",
     ]
@@ -725,6 +832,8 @@ def render_markdown(info: RunInfo, results: Sequence[StepResult]) -> str:
     lines += _section_body(info, results, "latency", _latency_body)
     lines += ["", "## 4. DDP training: steps/s and cost per step", ""]
     lines += _section_body(info, results, "ddp", _ddp_body)
+    lines += ["", "## 5. Several ranks per host", ""]
+    lines += _section_body(info, results, "multirank", _multirank_body)
 
     lines += ["", "## Commands run", "",
               "| step | status | exit | wall (s) | CPU of ranks + reducers (% of all cores) |",
@@ -818,6 +927,27 @@ def _perflow_body(info: RunInfo, results: Sequence[StepResult]) -> list[str]:
         "are random per run, so ratios vary between runs. " + PERFLOW_CAVEAT))
 
 
+def _multirank_body(info: RunInfo, results: Sequence[StepResult]) -> list[str]:
+    rows = _data(results)
+    out = [("Real nodes run several ranks (one per GPU). Here every worker host runs L consecutive ranks, "
+            "as torchrun numbers them, N = H x L in all, and every figure is bounded by the bytes one host's "
+            "link carries each way per byte of buffer S: gloo's flat ring 2S(N-1)/N (of the ring's edges only "
+            "the one leaving a host crosses its link), redsock's hierarchical ring 2S(H-1)/H (the ranks of a "
+            "host reduce among themselves first, each then rings its shard over the hosts), the reducers "
+            "L x S when every rank talks to them on its own (flat) and S when the host reduces first "
+            "(hierarchical). `ideal / gloo` is the ratio of those bytes; a series is marked hierarchical "
+            "when its ranks reported that they reduced inside the host first.")]
+    for (profile, n), pts in allreduce_points(rows).items():
+        hosts = _placement(pts[0].row)[0]
+        cpu = [r.cpu_pct for r in results if r.cpu_pct is not None]
+        out += ["", f"### {hosts} hosts x {n // hosts} ranks = {n} ranks, {hosts} reducer hosts "
+                    f"({profile} links at {format_rate(pts[0].rate_bps)})", "",
+                f"{n + hosts} processes on {os.cpu_count()} cores"
+                + (f"; the ranks and reducers used {max(cpu)}% of all cores over the run (start-up included)"
+                   if cpu else "") + ".", "", allreduce_table(pts)]
+    return out + _figure(info, "multirank", "all-reduce algbw with several ranks per host against the bounds")
+
+
 def _ddp_body(info: RunInfo, results: Sequence[StepResult]) -> list[str]:
     rows = _data(results)
     return [("`examples/train_lm.py` under DDP, the same script for every backend. Cost per step = hosts x "
@@ -886,14 +1016,14 @@ def plot_allreduce(groups: dict[tuple[str, int], list[ArPoint]], path: Path, tit
         for name, ps in series.items():
             ps = sorted(ps, key=lambda p: p.row.bytes)
             x = [p.row.bytes for p in ps]
-            (line,) = top.plot(x, [p.row.algbw_GBps for p in ps], marker="o", label=SERIES_LABELS.get(name, name))
-            bottom.plot(x, [p.of_bound for p in ps], marker="o", color=line.get_color())
-        ring_bound = next((p.bound_GBps for p in pts if p.series != "server"), None)
-        server_bound = next((p.bound_GBps for p in pts if p.series == "server"), None)
-        if ring_bound:
-            top.axhline(ring_bound, ls="--", color="k", label=f"ring bound {ring_bound:.3f}")
-        if server_bound:
-            top.axhline(server_bound, ls=":", color="k", label=f"reducer bound {server_bound:.3f}")
+            (line,) = top.plot(x, [p.row.algbw_GBps for p in ps], marker="o", label=ps[0].label)
+            bottom.plot(x, [p.of_bound or float("nan") for p in ps], marker="o", color=line.get_color())
+        bounds: dict[float, list[str]] = {}  # one line per distinct bound, naming its series
+        for ps in series.values():
+            if ps[0].bound_GBps:
+                bounds.setdefault(round(ps[0].bound_GBps, 6), []).append(ps[0].label)
+        for (bound, names), ls in zip(sorted(bounds.items()), ("--", ":", "-.", (0, (1, 3)))):
+            top.axhline(bound, ls=ls, color="k", lw=0.8, label=f"bound {bound:.3f}: {', '.join(names)}")
         bottom.axhline(1.0, ls="--", color="k")
         top.set_ylim(bottom=0)
         bottom.set_ylim(bottom=0)
@@ -964,8 +1094,8 @@ def plot_ddp(points: Sequence[dict[str, Any]], path: Path) -> Path:
 
 def write_figures(info: RunInfo, results: Sequence[StepResult], results_dir: Path) -> None:
     """One PNG per section that has data; a plot that fails is noted, not fatal."""
-    transport, uniform, latency, perflow, ddp = (_data(results, sec) for sec in
-                                                 ("transport", "allreduce", "latency", "perflow", "ddp"))
+    transport, uniform, latency, perflow, ddp, multirank = (
+        _data(results, sec) for sec in ("transport", "allreduce", "latency", "perflow", "ddp", "multirank"))
     jobs: list[tuple[str, str, Callable[[Path], Path]]] = []
     if transport:
         jobs.append(("transport", "transport.png", lambda p: plot_transport(transport_points(transport), p)))
@@ -979,6 +1109,9 @@ def write_figures(info: RunInfo, results: Sequence[StepResult], results_dir: Pat
             allreduce_points(perflow), p, "all-reduce under per-flow imbalance")))
     if ddp:
         jobs.append(("ddp", "ddp.png", lambda p: plot_ddp(ddp_points(ddp), p)))
+    if multirank:
+        jobs.append(("multirank", "allreduce-multirank.png", lambda p: plot_allreduce(
+            allreduce_points(multirank), p, "all-reduce with several ranks per host against the host-link bounds")))
     for section, name, fn in jobs:
         try:
             fn(results_dir / name)
@@ -1052,7 +1185,7 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
 
 def load_data(step: Step, path: Path) -> list[Any]:
     """Parse a step's JSON Lines: tagged Rows for all-reduce steps, dicts otherwise."""
-    if step.section in ("allreduce", "latency", "perflow"):
+    if step.section in ("allreduce", "latency", "perflow", "multirank"):
         return tag_rows(report.read_json(path), step)
     out = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
@@ -1229,8 +1362,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="docs", metavar="DIR",
                    help="write DIR/results.md and DIR/results/ (rewritten; default %(default)s)")
     p.add_argument("--only", metavar="SECTIONS",
-                   help="comma-separated sections: transport, allreduce, latency, ddp (the default set), "
-                        "perflow (opt-in: per-flow all-reduce, see the report's caveat)")
+                   help="comma-separated sections: transport, allreduce, latency, ddp, multirank (the default "
+                        "set), perflow (opt-in: per-flow all-reduce, see the report's caveat)")
     p.add_argument("--workers", metavar="N,N", help="worker counts of the all-reduce and latency sweeps")
     p.add_argument("--rate", help="link rate of the all-reduce, latency and DDP clusters (default 1gbit)")
     p.add_argument("--prefix", help="testbed namespace prefix (default rsrp<pid>)")

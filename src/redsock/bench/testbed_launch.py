@@ -1,9 +1,11 @@
 """Starting and watching processes in the emulated cluster's hosts, shared by the testbed benchmarks.
 
 Reducers (``redsock serve``) on the reducer hosts, torchrun-style ranks on the
-worker hosts (rank 0's output relayed live), waiting with a deadline that names
-the process that failed, stopping everything; plus the machine-wide CPU counter,
-the hosts' TCP congestion control and their TCP retransmission counters.
+worker hosts (one or several per host, rank 0's output relayed live), waiting
+with a deadline that names the process that failed, stopping everything; plus
+the machine-wide CPU counter, the hosts' TCP congestion control and their TCP
+retransmission counters, and the bytes an all-reduce puts through a host's link
+(:func:`host_nic_factor`), from which the benchmarks' bounds follow.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import RedsockError
+from ..errors import ConfigError, RedsockError
 from ..testbed import netns as nx
-from ..testbed.cluster import Testbed
+from ..testbed.cluster import RankSlot, Testbed
 
 #: Payload goodput of a shaped testbed link as a share of its configured rate
 #: (tc counts Ethernet/IP/TCP headers; measured on this testbed at a 1500-byte MTU).
@@ -27,6 +29,36 @@ GOODPUT_FACTOR = 0.956
 MASTER_PORT = 29500
 SERVER_PORT = 7700
 SERVER_START_S = 30.0
+
+
+#: How an all-reduce crosses hosts: every rank on its own ("flat"), or reduced inside each
+#: host first so that only one shard per rank leaves it ("hierarchical").
+SCHEMES = ("flat", "hierarchical")
+
+
+def host_nic_factor(algo: str, world: int, hosts: int, scheme: str = "flat") -> float | None:
+    """Bytes through one host's link, each way, per byte of an all-reduce of ``world`` ranks
+    placed consecutively on ``hosts`` hosts, L = world / hosts each (DESIGN.md section 7):
+
+    * ring (gloo's too): flat 2(N-1)/N (of the ring's edges only the one leaving a host
+      crosses its link, and every edge carries 2S(N-1)/N); hierarchical 2(H-1)/H (each
+      local rank rings its S/L shard over the H hosts);
+    * reducers (``server``): flat L (every rank sends S and receives S); hierarchical 1.
+
+    None where there is no closed form (``auto`` / ``small`` choose by size) or no link is
+    crossed (one host).
+    """
+    if scheme not in SCHEMES:
+        raise ConfigError(f"unknown scheme {scheme!r}; one of {', '.join(SCHEMES)}")
+    if world < 1 or hosts < 1 or world % hosts:
+        raise ConfigError(f"{world} ranks do not fill {hosts} hosts evenly")
+    if hosts < 2:
+        return None
+    if algo == "server":
+        return 1.0 if scheme == "hierarchical" else world / hosts
+    if algo in ("ring", "gloo"):
+        return 2 * (hosts - 1) / hosts if scheme == "hierarchical" else 2 * (world - 1) / world
+    return None
 
 
 @dataclass
@@ -150,26 +182,40 @@ def _relay(stream: IO[str], sink: IO[str], copy: IO[str]) -> None:
     copy.flush()
 
 
-def start_ranks(tb: Testbed, cmd: list[str], logdir: Path, extra_env: dict[str, str] | None = None,
-                 master_port: int = MASTER_PORT, tag: str = "") -> tuple[list[Proc], list[threading.Thread]]:
-    """Run ``cmd`` once per worker host as a torchrun-style rank (rank r on host w<r>).
+def rank_env(tb: Testbed, slot: RankSlot, world: int, master_port: int = MASTER_PORT) -> dict[str, str]:
+    """The torchrun variables of one rank (the store on rank 0's host, w0), the reducers'
+    addresses and the interface gloo must use."""
+    env = {"RANK": str(slot.rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(slot.local_rank),
+           "LOCAL_WORLD_SIZE": str(slot.local_world), "MASTER_ADDR": tb.host_addr("w0"),
+           "MASTER_PORT": str(master_port), "GLOO_SOCKET_IFNAME": tb.host(slot.host).dev}
+    if tb.server_names:
+        env["REDSOCK_SERVERS"] = ",".join(f"{tb.host_addr(s)}:{SERVER_PORT}" for s in tb.server_names)
+    return env
 
-    Rank 0's stdout is relayed live to ours and copied to its log; every other
-    output goes to ``logdir/<host><tag>.log``."""
-    servers = ",".join(f"{tb.host_addr(s)}:{SERVER_PORT}" for s in tb.server_names)
+
+def rank0_output(tb: Testbed, logdir: Path, ranks_per_host: int = 1, tag: str = "") -> Path:
+    """Where :func:`start_ranks` copies rank 0's stdout."""
+    return logdir / f"{tb.rank_slots(ranks_per_host)[0].label}{tag}.log"
+
+
+def start_ranks(tb: Testbed, cmd: list[str], logdir: Path, extra_env: dict[str, str] | None = None,
+                 master_port: int = MASTER_PORT, tag: str = "", ranks_per_host: int = 1
+                 ) -> tuple[list[Proc], list[threading.Thread]]:
+    """Run ``cmd`` as ``ranks_per_host`` torchrun-style ranks on every worker host,
+    numbered as torchrun numbers them (host w<i> runs ranks i*L .. i*L+L-1).
+
+    Rank 0's stdout is relayed live to ours and copied to :func:`rank0_output`; every
+    other output goes to ``logdir/<label><tag>.log`` (label ``w1``, or ``w1.0``, ``w1.1``
+    with several ranks per host)."""
     ranks, relays = [], []
-    world = tb.workers
-    for r, name in enumerate(tb.worker_names):
-        env = {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-               "MASTER_ADDR": tb.host_addr("w0"), "MASTER_PORT": str(master_port),
-               "GLOO_SOCKET_IFNAME": tb.host(name).dev}
-        if servers:
-            env["REDSOCK_SERVERS"] = servers
-        env.update(extra_env or {})
+    slots = tb.rank_slots(ranks_per_host)
+    for slot in slots:
+        env = {**rank_env(tb, slot, len(slots), master_port), **(extra_env or {})}
+        name = slot.label
         log = logdir / f"{name}{tag}.log"
-        if r == 0:  # stdout live to ours (the tables); stderr into its log
+        if slot.rank == 0:  # stdout live to ours (the tables); stderr into its log
             err = (logdir / f"{name}{tag}.err").open("w")
-            proc = tb.popen(name, cmd, env=child_env(env), stdout=subprocess.PIPE, stderr=err, text=True,
+            proc = tb.popen(slot.host, cmd, env=child_env(env), stdout=subprocess.PIPE, stderr=err, text=True,
                             start_new_session=True)
             err.close()
             copy = log.open("w")
@@ -179,7 +225,7 @@ def start_ranks(tb: Testbed, cmd: list[str], logdir: Path, extra_env: dict[str, 
             ranks.append(Proc(name, proc, logdir / f"{name}{tag}.err"))
         else:
             with log.open("w") as f:
-                proc = tb.popen(name, cmd, env=child_env(env), stdout=f, stderr=subprocess.STDOUT,
+                proc = tb.popen(slot.host, cmd, env=child_env(env), stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
             ranks.append(Proc(name, proc, log))
     return ranks, relays

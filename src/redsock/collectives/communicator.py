@@ -8,7 +8,7 @@ import random
 import re
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -18,8 +18,10 @@ from .. import ops
 from ..bootstrap import PeerTable
 from ..config import Config, KiB
 from ..errors import ConfigError, PeerFailure, RedsockError, TransportError
+from ..transport import shm
 from . import ring, server_client, small
 from .context import CallContext, Finish, ScratchPool
+from .hierarchy import Hierarchy
 from .server_client import ServerGroup
 
 log = logging.getLogger("redsock.collectives")
@@ -63,14 +65,21 @@ class Communicator:
     sizes and dtypes; a mismatch raises :class:`ConfigError`/:class:`PeerFailure`
     rather than producing a wrong result.  After a :class:`PeerFailure` the
     communicator is unusable (like NCCL's): create a new one.
+
+    Ranks that share a host (see :class:`redsock.bootstrap.Topology`) meet in shared memory
+    (:mod:`redsock.collectives.hierarchy`) unless ``shm``/``hierarchy`` say ``off``.
+    ``global_ranks``: for a communicator inside another one (an inter-host group), the outer
+    ranks of its members, which its failures name.
     """
 
     def __init__(self, rank: int, world_size: int, store: Any, config: Config | None = None, *,
-                 group: str = "", namespace: str | None = None, advertise_toward: str | None = None):
+                 group: str = "", namespace: str | None = None, advertise_toward: str | None = None,
+                 global_ranks: Sequence[int] | None = None):
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} outside a world of {world_size}")
         self.rank, self.world_size = rank, world_size
         self.config = config or Config.from_env()
+        self._global_ranks = tuple(global_ranks) if global_ranks is not None else tuple(range(world_size))
         self.peers = PeerTable(rank, world_size, store, self.config, group=group, namespace=namespace,
                                advertise_toward=advertise_toward)
         self._seq = 0
@@ -80,9 +89,30 @@ class Communicator:
         self._drainer: ThreadPoolExecutor | None = None  # finishes them, in order
         self._pool = ScratchPool()
         self.servers: ServerGroup | None = None
-        if self.config.servers:
-            self.servers = ServerGroup(self.config.servers, self.config, self._job_id(store), rank, world_size)
+        self.hier: Hierarchy | None = None
         self._closed = False
+        try:
+            if self._uses_hierarchy():
+                self.hier = Hierarchy(self.peers, self.config, functools.partial(
+                    self._inter_host_comm, store, advertise_toward))
+            if self.config.servers:
+                self.servers = ServerGroup(self.config.servers, self.config, self._job_id(store), rank, world_size)
+        except BaseException:
+            self.close()
+            raise
+
+    def _uses_hierarchy(self) -> bool:
+        """Shared memory when a host runs several ranks (``shm``), and then across hosts only
+        with ``hierarchy`` on: every rank sees the same topology, so all decide alike."""
+        hosts = self.peers.topology.hosts
+        return (self.config.shm == "auto" and shm.available() and max(map(len, hosts)) > 1
+                and (len(hosts) == 1 or self.config.hierarchy == "auto"))
+
+    def _inter_host_comm(self, store: Any, advertise_toward: str | None, rank: int, world: int, group: str,
+                         ranks: Sequence[int]) -> "Communicator":
+        return Communicator(rank, world, store, self.config, group=group, namespace=self.peers.namespace,
+                            advertise_toward=advertise_toward,
+                            global_ranks=[self._global_ranks[r] for r in ranks])
 
     # -- public collectives ---------------------------------------------------
 
@@ -93,6 +123,9 @@ class Communicator:
         x = _check_array(array, "all_reduce", writable=True)
         rop = ops.ReduceOp.parse(op)
         algo = self.choose_algorithm(x.nbytes, algorithm)
+        if algo == "hier":
+            return self._run("all_reduce", (x.dtype, x.size, rop, algo),
+                             lambda ctx: self.hier.all_reduce(ctx, x, rop), async_op, shared=True)
         run = ALLREDUCE_ALGORITHMS[algo]
         return self._run("all_reduce", (x.dtype, x.size, rop, algo),
                          lambda ctx: run(ctx, x, rop) if self.world_size > 1 else _solo(x, rop), async_op)
@@ -108,6 +141,9 @@ class Communicator:
             raise ConfigError(f"reduce_scatter: input has {x.size} elements, expected world_size × output "
                               f"= {self.world_size} × {out.size}")
         rop = ops.ReduceOp.parse(op)
+        if self._single_host_shm():
+            return self._run("reduce_scatter", (x.dtype, out.size, rop),
+                             lambda ctx: self.hier.reduce_scatter(ctx, x, out, rop), async_op, shared=True)
 
         def go(ctx: CallContext) -> None:
             if self.world_size == 1:
@@ -125,6 +161,9 @@ class Communicator:
         if out.size != x.size * self.world_size:
             raise ConfigError(f"all_gather: output has {out.size} elements, expected world_size × input "
                               f"= {self.world_size} × {x.size}")
+        if self._single_host_shm():
+            return self._run("all_gather", (x.dtype, x.size), lambda ctx: self.hier.all_gather(ctx, x, out),
+                             async_op, shared=True)
 
         def go(ctx: CallContext) -> None:
             if self.world_size == 1:
@@ -138,11 +177,17 @@ class Communicator:
         """Copy ``array`` of rank ``root`` into ``array`` of every rank."""
         x = _check_array(array, "broadcast", writable=True)
         self._check_rank(root, "broadcast root")
+        if self.hier is not None:
+            return self._run("broadcast", (x.dtype, x.size, root), lambda ctx: self.hier.broadcast(ctx, x, root),
+                             async_op, shared=True)
         return self._run("broadcast", (x.dtype, x.size, root),
                          lambda ctx: small.broadcast(ctx, x, root) if self.world_size > 1 else None, async_op)
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
+        if self.hier is not None:
+            self._run("barrier", (), self.hier.barrier, False, shared=True)
+            return
         token = np.zeros(1, np.uint8)
         self._run("barrier", (), lambda ctx: small.all_reduce(ctx, token, ops.ReduceOp.SUM)
                   if self.world_size > 1 else None, False)
@@ -167,6 +212,8 @@ class Communicator:
                 pool.shutdown(wait=True, cancel_futures=True)
         if self.servers is not None:
             self.servers.close()
+        if self.hier is not None:
+            self.hier.close()
         self.peers.close()
 
     def __enter__(self) -> "Communicator":
@@ -177,7 +224,15 @@ class Communicator:
 
     def choose_algorithm(self, nbytes: int, algorithm: str | None) -> str:
         algo = algorithm or self.config.algo
+        if algo == "hier":
+            if self.hier is None:
+                raise ConfigError("the hier all-reduce needs several ranks on a host, with shm and hierarchy "
+                                  f"on (hosts: {[len(h) for h in self.peers.topology.hosts]} ranks, "
+                                  f"shm={self.config.shm}, hierarchy={self.config.hierarchy})")
+            return algo
         if algo == "auto":
+            if self.hier is not None:  # shared memory inside hosts; between them the choice below, per shard
+                return "hier"
             if self.servers is not None and nbytes >= SERVER_MIN_BYTES:
                 return "server"
             return "small" if nbytes <= SMALL_MAX_BYTES else "ring"
@@ -188,6 +243,9 @@ class Communicator:
 
     # -- machinery ------------------------------------------------------------------
 
+    def _single_host_shm(self) -> bool:
+        return self.hier is not None and self.hier.nhosts == 1
+
     def _job_id(self, store: Any) -> int:
         """A job id all ranks share (rank 0 draws it), so servers keep jobs apart."""
         key = self.peers.prefix + "job"
@@ -196,15 +254,18 @@ class Communicator:
         value = store.get(key)
         return int(value.decode() if isinstance(value, bytes) else value)
 
-    def _run(self, name: str, signature: tuple, body: Callable[[CallContext], Finish | None], async_op: bool
-             ) -> Work | None:
+    def _run(self, name: str, signature: tuple, body: Callable[[CallContext], Finish | None], async_op: bool,
+             shared: bool = False) -> Work | None:
         """Run one collective.  A ``body`` may return a ``finish`` that waits for its last
         results: an async call then hands it to the drain thread, and the next call starts
-        while this one drains (calls start in order; drains finish in order)."""
+        while this one drains (calls start in order; drains finish in order).  ``shared``:
+        the body uses the shared-memory arena, which serves calls one at a time in call order."""
         self._check_usable()
         with self._seq_lock:  # every rank numbers its calls the same way: the tag is the call number
             seq = self._seq
             self._seq += 1
+            if shared:
+                body = functools.partial(self.hier.in_turn, self.hier.ticket(), body)
         check = _signature_check(name, signature)
         ctx = CallContext(self.peers, self.rank, self.world_size, _COLLECTIVE_TAG | seq, check,
                           self.config.timeout_s, self._pool, seq, self.servers)
@@ -265,7 +326,7 @@ class Communicator:
         every connected rank, so ranks not adjacent to the failure stop waiting too."""
         if isinstance(err, ConfigError) or (isinstance(err, PeerFailure) and err is self._failure):
             return err
-        ranks = _failed_ranks(err, self.peers)
+        ranks = _failed_ranks(err, self.peers, self._global_ranks)
         call = f"{name} #{seq}" if seq is not None else name
         who = f"rank(s) {', '.join(map(str, ranks))} failed: " if ranks else ""
         failure = PeerFailure(f"rank {self.rank}: {call} failed: {who}{err}", ranks=tuple(ranks))
@@ -273,6 +334,8 @@ class Communicator:
             self._failure = failure
             reason = f"[failed ranks: {', '.join(map(str, ranks))}] rank {self.rank} gives up: {err}"
             self.peers.fail(reason)
+            if self.hier is not None:  # local ranks wait in shared memory: wake them with the reason
+                self.hier.fail(reason)
             if self.servers is not None:  # nothing more will be asked of the reducers
                 self.servers.close()
         return failure
@@ -308,12 +371,18 @@ def _chain(source: Future, target: Future, only_failures: bool = False) -> None:
     source.add_done_callback(copy)
 
 
-def _failed_ranks(err: RedsockError, peers: PeerTable) -> list[int]:
+def _failed_ranks(err: RedsockError, peers: PeerTable, global_ranks: Sequence[int]) -> list[int]:
+    """The failed ranks, named as ``global_ranks`` names them (the reasons ranks tell each
+    other already name them so)."""
+    m = _FAILED_RE.search(str(err))
+    if m and not isinstance(err, PeerFailure):  # another rank already diagnosed it and told us
+        return sorted({int(v) for v in m.group(1).split(",") if v.strip()})
+    return sorted({global_ranks[r] for r in _own_failed_ranks(err, peers) if 0 <= r < len(global_ranks)})
+
+
+def _own_failed_ranks(err: RedsockError, peers: PeerTable) -> list[int]:
     if isinstance(err, PeerFailure):
         return list(err.ranks)
-    m = _FAILED_RE.search(str(err))
-    if m:  # another rank already diagnosed it and told us
-        return sorted({int(v) for v in m.group(1).split(",") if v.strip()})
     if isinstance(err, TransportError) and err.peer:
         for r, conn in peers.connections().items():
             if conn.peer == err.peer:

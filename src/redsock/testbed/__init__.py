@@ -10,11 +10,13 @@ from .cluster import (
     HostLink,
     NetnsTopology,
     PairTestbed,
+    RankSlot,
     Testbed,
     TestbedStatus,
     cleanup_prefix,
     list_prefix_netns,
     load,
+    place_ranks,
 )
 from .measure import FlowRate, GoodputResult, measure_flows, measure_tcp_goodput
 from .netns import (
@@ -29,7 +31,7 @@ from .netns import (
 
 __all__ = [
     "PERFLOW_FRACTIONS", "PROFILES", "FlowRate", "GoodputResult", "HostLink", "NetnsTopology",
-    "PairTestbed", "Testbed", "TestbedError", "TestbedStatus", "cleanup_prefix", "format_rate",
+    "PairTestbed", "RankSlot", "Testbed", "TestbedError", "TestbedStatus", "cleanup_prefix", "format_rate",
     "list_prefix_netns", "load", "measure_flows", "measure_tcp_goodput", "parse_rate",
-    "path_class", "port_for_class", "shape_per_flow", "shape_uniform",
+    "path_class", "place_ranks", "port_for_class", "shape_per_flow", "shape_uniform",
 ]

@@ -47,8 +47,8 @@ from .netns import TestbedError, format_rate, parse_rate, path_class
 
 __all__ = [
     "PROFILES", "PERFLOW_FRACTIONS", "STATE_DIR", "HostLink", "LinkStatus", "HostStatus",
-    "TestbedStatus", "NetnsTopology", "Testbed", "PairTestbed", "cleanup_prefix",
-    "list_prefix_netns", "load",
+    "TestbedStatus", "NetnsTopology", "RankSlot", "Testbed", "PairTestbed", "cleanup_prefix",
+    "list_prefix_netns", "load", "place_ranks",
 ]
 
 PROFILES = ("uniform", "perflow", "slow-server")
@@ -110,6 +110,32 @@ class HostLink:
         if not rates:
             return None
         return rates[path_class(sport, len(rates), self.shift)] if len(rates) > 1 else rates[0]
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """Where one rank of a job runs: its host and the torchrun variables it gets."""
+
+    rank: int
+    host: str
+    local_rank: int
+    local_world: int
+
+    @property
+    def label(self) -> str:
+        """``w1`` with one rank per host, ``w1.0``, ``w1.1``, ... with several (log names)."""
+        return self.host if self.local_world == 1 else f"{self.host}.{self.local_rank}"
+
+
+def place_ranks(hosts: Sequence[str], ranks_per_host: int) -> list[RankSlot]:
+    """``ranks_per_host`` ranks on every host, numbered as torchrun numbers them: host i runs
+    the consecutive ranks i*L .. i*L+L-1, local ranks 0 .. L-1."""
+    if ranks_per_host < 1:
+        raise ConfigError(f"ranks per host must be >= 1, got {ranks_per_host}")
+    if not hosts:
+        raise ConfigError("no hosts to place ranks on")
+    return [RankSlot(i * ranks_per_host + j, host, j, ranks_per_host)
+            for i, host in enumerate(hosts) for j in range(ranks_per_host)]
 
 
 @dataclass
@@ -457,6 +483,10 @@ class Testbed(NetnsTopology):
     @property
     def server_names(self) -> list[str]:
         return [f"s{j}" for j in range(self.servers)]
+
+    def rank_slots(self, ranks_per_host: int = 1) -> list[RankSlot]:
+        """The job's ranks on the worker hosts, ``ranks_per_host`` each (see :func:`place_ranks`)."""
+        return place_ranks(self.worker_names, ranks_per_host)
 
     def _build(self) -> None:
         nx.add_netns(self.bridge_ns)

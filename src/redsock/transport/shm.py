@@ -1,0 +1,272 @@
+"""Shared memory among the ranks of one host: an arena of step counters and data regions.
+
+One local rank creates a file in /dev/shm, every local rank maps it, and the creator unlinks
+it as soon as all have attached: from then on the memory lives only in the mappings, so no
+exit (normal, exception or kill -9) leaves anything behind.
+
+Layout: a header with one cache line per local rank (its step counter and the signature of
+its current call) and a failure note, then two halves of ``region_bytes`` per local rank
+(a collective alternates between the halves, so a rank may write its next piece while its
+peers still read the previous one).
+
+Synchronisation is by step counters: :meth:`LocalGroup.sync` sets this rank's counter to the
+next step and waits until every local rank's counter has reached it.  Waiting spins briefly,
+yielding the CPU, then blocks in a futex on the counter of a peer that has not arrived (the
+kernel compares the counter with the value seen and sleeps in one step; a sleeper first
+says whose counter it sleeps on, and an arriving rank wakes the futex only when someone
+sleeps on its counter: one wake-up per sleeper instead of one system call per rank and step).  Every ``DEATH_CHECK_S`` of sleep, and on
+every wake-up, a waiter polls the pidfds of its peers: one that died becomes
+:class:`PeerFailure` naming it.  Counters and data are plain stores on x86's total store
+order: data first, then the counter.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import secrets
+import select
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import PeerFailure, ProtocolError, Timeout, TransportError
+
+ARENA_DIR = "/dev/shm"
+ARENA_PREFIX = "redsock-"
+# One 64-byte cache line per local rank: [step, signature at odd steps, at even steps,
+# 1 + the local rank whose counter this rank sleeps on (0: awake), unused...]
+# (a rank may run one step ahead of a slower peer, which must still read its signature).
+_LINE_WORDS = 8
+_SLEEP = 3
+MAX_LOCAL_RANKS = 48
+_FAIL_WORD = MAX_LOCAL_RANKS * _LINE_WORDS  # 1 once a rank wrote its failure note
+_NOTE_LEN_WORD = _FAIL_WORD + 1
+_NOTE_OFFSET = (_NOTE_LEN_WORD + 1) * 8
+HEADER_BYTES = 4096
+_NOTE_MAX = HEADER_BYTES - _NOTE_OFFSET
+#: Longest futex sleep before a waiter looks at its peers' pidfds again.
+DEATH_CHECK_S = 0.05
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the words are shared between processes
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_wait(addr: int, seen: int, timeout_s: float) -> None:
+    """Sleep while the 32-bit word at ``addr`` still holds ``seen`` (at most ``timeout_s``)."""
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(seen & 0xFFFFFFFF),
+                  ctypes.byref(ts), None, 0)  # EAGAIN (changed), ETIMEDOUT, EINTR: the caller re-checks
+
+
+def _futex_wake(addr: int) -> None:
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, ctypes.c_int(1 << 30), None, None, 0)
+
+
+def available() -> bool:
+    """Whether this system can run the transport (Linux, x86-64 or arm64, pidfds, /dev/shm)."""
+    return _SYS_FUTEX is not None and hasattr(os, "pidfd_open") and os.path.isdir(ARENA_DIR)
+
+
+class LocalGroup:
+    """The shared arena of the ranks of one host (``ranks``: their global ranks, in local order).
+
+    Raises :class:`TransportError` if the arena cannot be created or attached,
+    :class:`PeerFailure` when a local peer dies, :class:`Timeout` when one does not arrive
+    within ``timeout_s``.
+    """
+
+    def __init__(self, store: Any, key: str, ranks: tuple[int, ...], local_rank: int, pids: tuple[int, ...],
+                 *, region_bytes: int, timeout_s: float, spin_us: int):
+        if len(ranks) > MAX_LOCAL_RANKS:
+            raise TransportError(f"{len(ranks)} ranks on one host: shared memory takes at most "
+                                 f"{MAX_LOCAL_RANKS} (set REDSOCK_SHM=off)", op="shared-memory attach")
+        self.ranks, self.me, self.size = ranks, local_rank, len(ranks)
+        self.region_bytes = -(-region_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.timeout_s, self.spin_s = timeout_s, spin_us / 1e6
+        self.step = 0  # the last step this rank arrived at (the same sequence on every local rank)
+        self._half = 0
+        self._closed = False
+        nbytes = HEADER_BYTES + 2 * self.size * self.region_bytes
+        self._mm, path = self._map(store, key, nbytes)
+        self._words = memoryview(self._mm)[:HEADER_BYTES].cast("Q")
+        self._bytes = np.frombuffer(self._mm, np.uint8)
+        base = self._bytes.ctypes.data
+        self._step_addr = [base + lr * _LINE_WORDS * 8 for lr in range(self.size)]
+        self._fence = threading.Lock()
+        self._steps = self._words[0:self.size * _LINE_WORDS:_LINE_WORDS]  # every rank's counter
+        self._pidfds: dict[int, int] = {}
+        try:
+            self._poll = select.poll()
+            for lr, pid in enumerate(pids):
+                if lr != self.me:
+                    try:
+                        fd = os.pidfd_open(pid)
+                    except ProcessLookupError:
+                        raise PeerFailure(f"rank {ranks[lr]} (pid {pid}) exited before attaching shared memory",
+                                          ranks=(ranks[lr],)) from None
+                    self._pidfds[fd] = lr
+                    self._poll.register(fd, select.POLLIN)
+            self.sync()  # every rank has its pidfds before anyone relies on them
+        except BaseException:
+            self.close()
+            raise
+
+    def _map(self, store: Any, key: str, nbytes: int) -> tuple[mmap.mmap, str]:
+        """Create (local rank 0) or attach the arena; the creator unlinks it once all attached."""
+        try:
+            if self.me == 0:
+                path = os.path.join(ARENA_DIR, f"{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    os.ftruncate(fd, nbytes)
+                    mm = mmap.mmap(fd, nbytes)
+                    store.set(key, path)
+                    for lr in range(1, self.size):
+                        store.get(f"{key}/attached/{lr}")
+                finally:
+                    os.close(fd)
+                    os.unlink(path)
+                return mm, path
+            value = store.get(key)
+            path = value.decode() if isinstance(value, bytes) else str(value)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                mm = mmap.mmap(fd, nbytes)
+            finally:
+                os.close(fd)
+            store.set(f"{key}/attached/{self.me}", "1")
+            return mm, path
+        except OSError as e:
+            raise TransportError(f"rank {self.ranks[self.me]}: shared memory of size {nbytes}: {e.strerror or e} "
+                                 f"(set REDSOCK_SHM=off to go without)", op="shared-memory attach") from e
+        except Exception as e:  # the store timed out: a local peer never came
+            raise PeerFailure(f"rank {self.ranks[self.me]}: a rank of this host never attached the shared "
+                              f"memory: {e}", ranks=()) from e
+
+    # -- data --------------------------------------------------------------------------
+
+    def next_half(self) -> int:
+        """The half of every region the next piece goes through (all local ranks alternate alike)."""
+        self._half ^= 1
+        return self._half
+
+    def rows(self, half: int, dtype: np.dtype, count: int) -> np.ndarray:
+        """Every local rank's region (one half) at once: row ``lr`` is ``local_rank``'s
+        first ``count`` elements, viewed as ``dtype``."""
+        return np.ndarray((self.size, count), dtype, buffer=self._mm, offset=HEADER_BYTES + half * self.region_bytes,
+                          strides=(2 * self.region_bytes, dtype.itemsize))
+
+    # -- synchronisation ---------------------------------------------------------------
+
+    def sync(self, signature: int | None = None, spin_us: int | None = None) -> None:
+        """Arrive at the next step and wait for every local rank to arrive there too.
+
+        With ``signature`` (the call's, nonzero), check that every local rank arrived in
+        the same call: a mismatch raises :class:`ProtocolError` on every rank alike.
+        ``spin_us``: how long to spin before sleeping (default: the group's).
+        """
+        self.step += 1
+        w = self._words
+        sig_word = 1 + self.step % 2
+        if signature is not None:
+            w[self.me * _LINE_WORDS + sig_word] = signature
+        w[self.me * _LINE_WORDS] = self.step
+        with self._fence:  # a locked instruction orders the store above before the loads below
+            pass
+        for lr in range(self.size):
+            if w[lr * _LINE_WORDS + _SLEEP] == self.me + 1:
+                _futex_wake(self._step_addr[self.me])
+                break
+        self._wait(self.step, self.spin_s if spin_us is None else spin_us / 1e6)
+        if signature is not None:
+            others = {w[lr * _LINE_WORDS + sig_word] for lr in range(self.size)}
+            if len(others) > 1:
+                raise ProtocolError(f"rank {self.ranks[self.me]}: the ranks of this host called different "
+                                    "collectives (the ranks called different collectives, or with different "
+                                    "dtype, size or op)", peer="local ranks", op="shared-memory collective")
+
+    def _missing(self, step: int) -> list[int]:
+        w = self._words
+        return [lr for lr in range(self.size) if w[lr * _LINE_WORDS] < step]
+
+    def _wait(self, step: int, spin_s: float) -> None:
+        missing = self._missing(step)
+        if not missing:
+            return
+        now = time.monotonic()
+        spin_end, deadline = now + spin_s, now + self.timeout_s
+        steps = self._steps
+        while time.monotonic() < spin_end:
+            if min(steps) >= step:
+                return
+            os.sched_yield()
+        w = self._words
+        sleep_word = self.me * _LINE_WORDS + _SLEEP
+        while True:
+            self._check_failure()
+            missing = self._missing(step)
+            if not missing:
+                return
+            for fd, _ in self._poll.poll(0):  # a dead peer never arrives: say who
+                dead = self.ranks[self._pidfds[fd]]
+                raise PeerFailure(f"rank {dead} died (its process exited) during a shared-memory "
+                                  f"collective", ranks=(dead,))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                names = [self.ranks[lr] for lr in missing]
+                raise Timeout(f"rank {self.ranks[self.me]}: local rank(s) {names} did not arrive at a "
+                              f"shared-memory step within {self.timeout_s:g}s",
+                              peer=f"rank {names[0]}", op="shared-memory wait")
+            lr = missing[0]
+            w[sleep_word] = lr + 1  # the futex system call below is a full barrier
+            seen = w[lr * _LINE_WORDS]
+            if seen < step and not w[_FAIL_WORD]:
+                _futex_wait(self._step_addr[lr], seen, min(left, DEATH_CHECK_S))
+            w[sleep_word] = 0
+
+    # -- failure and shutdown ------------------------------------------------------------
+
+    def abort(self, reason: str) -> None:
+        """Tell every local rank that this one gives up (their waits raise with ``reason``)."""
+        if self._closed:
+            return
+        note = reason.encode(errors="replace")[:_NOTE_MAX]
+        if not self._words[_FAIL_WORD]:
+            self._mm[_NOTE_OFFSET:_NOTE_OFFSET + len(note)] = note
+            self._words[_NOTE_LEN_WORD] = len(note)
+            self._words[_FAIL_WORD] = 1
+        for addr in self._step_addr:  # a waiter sleeps on some rank's counter: wake them all
+            _futex_wake(addr)
+
+    def _check_failure(self) -> None:
+        if self._words[_FAIL_WORD]:
+            n = self._words[_NOTE_LEN_WORD]
+            note = bytes(self._mm[_NOTE_OFFSET:_NOTE_OFFSET + n]).decode(errors="replace")
+            raise TransportError(note, peer="local ranks", op="shared-memory wait")
+
+    def close(self) -> None:
+        """Unmap the arena and close the sockets.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for fd in getattr(self, "_pidfds", {}):
+            os.close(fd)
+        self._pidfds = {}
+        if hasattr(self, "_words"):
+            self._steps.release()
+            self._words.release()
+            del self._bytes
+            try:
+                self._mm.close()
+            except BufferError:  # a view is still referenced somewhere: the mapping goes with it
+                pass

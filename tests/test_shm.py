@@ -1,0 +1,91 @@
+"""Several ranks on one host: topology, the shared-memory transport and the collectives over it."""
+
+import os
+import time
+
+import pytest
+
+from redsock.bootstrap import Topology, host_identity
+from test_collectives import digests, run_world
+
+
+def _arenas() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("redsock-")}
+
+
+def test_topology_groups_uneven_non_consecutive_hosts():
+    idents = ["a", "b", "a", "c", "b", "a"]
+    topo = [Topology.from_identities(r, idents, list(range(100, 106))) for r in range(6)]
+    assert topo[0].hosts == ((0, 2, 5), (1, 4), (3,))
+    assert [t.host for t in topo] == [0, 1, 0, 2, 1, 0]
+    assert [t.local_rank for t in topo] == [0, 0, 1, 0, 1, 2]
+    assert [t.local_size for t in topo] == [3, 2, 3, 1, 2, 3]
+    assert topo[5].local_ranks == (0, 2, 5) and topo[5].pids[5] == 105
+    assert topo[0].shards == 1 and topo[0].inter_host_group(0) == (0, 1, 3)
+    two = Topology.from_identities(0, ["a", "b", "a", "b"], [0] * 4)
+    assert two.shards == 2 and two.inter_host_group(1) == (2, 3)
+
+
+def test_host_identity_is_boot_id_and_network_namespace():
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        assert host_identity() == f"{f.read().strip()}/{os.stat('/proc/self/ns/net').st_ino}"
+
+
+def _check_world(outs, world):
+    for r, (code, out, err) in enumerate(outs):
+        assert code == 0 and out.rstrip().endswith("ok"), f"rank {r}:\n{err[-3000:]}"
+    first = digests(outs[0][1])
+    assert len(first) > 5 * 8 * 7
+    for r, (_, out, _) in enumerate(outs[1:], 1):
+        assert digests(out) == first, f"rank {r} differs from rank 0"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_op_and_dtype_through_shared_memory(world):
+    """1, 2 and 3 peers on one host: every op x dtype x size (several pieces) against numpy,
+    bitwise identical on every rank, then reduce-scatter, all-gather, broadcast, barrier,
+    async calls; nothing left in /dev/shm."""
+    before = _arenas()
+    outs = run_world("auto_matrix", world, env={"TEST_EXPECT_HIER": "1"})
+    _check_world(outs, world)
+    assert _arenas() <= before
+
+
+def test_shm_off_passes_everything_over_fast_socket():
+    outs = run_world("auto_matrix", 3, env={"REDSOCK_SHM": "off", "TEST_EXPECT_HIER": "0"})
+    _check_world(outs, 3)
+
+
+def test_mismatched_calls_on_one_host_raise_clearly():
+    outs = run_world("shm_mismatch", 3, timeout=60)
+    for code, out, err in outs:
+        assert code == 0, err[-2000:]
+        assert "different dtype, size or op" in out, out
+
+
+@pytest.mark.parametrize("count", [2, 8 << 20])
+def test_killed_local_rank_makes_the_others_raise_peer_failure(count):
+    """kill -9 of a rank mid-collective (small and large all-reduces): the others raise
+    PeerFailure naming it, quickly (its pidfd wakes them), and no arena is left behind."""
+    world = 4
+    before = _arenas()
+    t0 = time.monotonic()
+    outs = run_world("dies_auto", world, timeout=60, env={"TEST_TIMEOUT_S": "20", "TEST_COUNT": str(count)})
+    assert time.monotonic() - t0 < 30
+    assert outs[-1][0] == -9  # it really died
+    for r, (code, out, err) in enumerate(outs[:-1]):
+        assert code == 0, f"rank {r}:\n{err[-3000:]}"
+        assert f"ranks=[{world - 1}]" in out, f"rank {r} did not name the dead rank: {out}"
+        assert float(out.split(" after ")[1].split("s")[0]) < 5, out
+    assert _arenas() <= before
+
+
+def test_no_arena_left_after_an_exception_or_close():
+    before = _arenas()
+    outs = run_world("raises", 3, timeout=60)
+    assert all(code == 1 and "the training script fails" in err for code, _, err in outs)
+    assert _arenas() <= before
+    outs = run_world("closes", 3, timeout=60)
+    for code, out, err in outs:
+        assert code == 0 and out.rstrip().endswith("ok"), err[-2000:]
+    assert _arenas() <= before

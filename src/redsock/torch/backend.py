@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 from ..api import init as redsock_init
 from ..collectives import Communicator
-from ..errors import ConfigError
+from ..errors import ConfigError, PeerFailure, RedsockError
 from .bridge import (
     Staged,
     as_numpy,
@@ -67,6 +68,12 @@ _MAX_USER_TAG = 1 << 31
 _ALLTOALL_TAG = 1 << 40
 _GATHER_TAG = (1 << 40) + 1
 _SCATTER_TAG = (1 << 40) + 2
+_MONITORED_TAG = (1 << 40) + 3
+_ANY_SOURCE = -1  # the lane of receives from any peer
+
+
+class BarrierFailure(PeerFailure, RuntimeError):
+    """``monitored_barrier`` found ranks missing (a RuntimeError, as torch's backends raise)."""
 
 
 class Options:
@@ -307,6 +314,9 @@ class ProcessGroupRedsock(dist.ProcessGroup):
             lambda: [self.comm.all_gather(s.array, as_numpy(tmp), async_op=True) for s, tmp in zip(srcs, temps)],
             finish, keep=temps)
 
+    # The C++ base class would look for a C++ backend for this one.
+    allgather_coalesced = allgather
+
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RedsockWork:
         """``output`` (world × input's elements) = every rank's ``input``, in rank order."""
         return self._gather_into_tensors([output], [input], "all_gather_single")
@@ -425,6 +435,41 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         part = self.comm.all_reduce(token, "sum", algorithm="small", async_op=True).get_future()
         return self._tracker.complete_when_done(work, [*earlier, part], lambda: [], keep=token)
 
+    def monitored_barrier(self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
+        """A barrier that names the ranks that did not reach it (gloo's semantics): every rank
+        reports to rank 0, which waits for all of them until ``timeout`` (default: the group's),
+        then releases them.  Rank 0 raises naming the first missing rank (``wait_all_ranks``:
+        all of them); the others raise if rank 0 does not release them in time."""
+        seconds = (timeout.total_seconds() if isinstance(timeout, timedelta)
+                   else self.comm.config.timeout_s if timeout is None else float(timeout))
+        ms = int(seconds * 1000)
+        token = np.zeros(1, np.uint8)
+        if self._me != 0:
+            try:
+                self.comm.send(token, 0, _MONITORED_TAG)
+                self.comm.recv(token, 0, _MONITORED_TAG, timeout=seconds)
+            except RedsockError as e:
+                raise BarrierFailure(f"Rank {self._me} successfully reached monitoredBarrier, but received errors "
+                                     f"while waiting for send/recv from rank 0: {e}") from e
+            return
+        if seconds <= 0:
+            raise BarrierFailure(f"Rank 0 timed out in monitoredBarrier after {ms} ms")
+        deadline = time.monotonic() + seconds
+        arrived: set[int] = set()
+        try:
+            while len(arrived) < self._world - 1:
+                arrived.add(self.comm.recv(token, None, _MONITORED_TAG,
+                                           timeout=max(0.0, deadline - time.monotonic())))
+        except RedsockError as e:
+            missing = [r for r in range(1, self._world) if r not in arrived]
+            if wait_all_ranks:
+                who = f"Ranks {', '.join(map(str, missing))}"
+            else:
+                who = f"Rank {missing[0]}"
+            raise BarrierFailure(f"{who} failed to pass monitoredBarrier in {ms} ms: {e}") from e
+        for r in range(1, self._world):
+            self.comm.send(token, r, _MONITORED_TAG)
+
     # -- point-to-point ------------------------------------------------------------------------
 
     def send(self, tensors: Any, dstRank: int, tag: int = 0) -> RedsockWork:  # noqa: N803 - torch's names
@@ -441,10 +486,24 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         tag = _user_tag(tag, "recv")
         staged = [Staged(t, read=False, write=True, what="recv") for t in tensors]
         jobs = [("recv", src, tag, _receiver(self.comm, s.array, src, tag)) for s in staged]
-        return self._p2p("recv", tensors, staged, jobs, lambda: tensors)
+        work = self._p2p("recv", tensors, staged, jobs, lambda: tensors)
+        work.senders.append(src)
+        return work
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> RedsockWork:
-        raise ConfigError("redsock recv: receiving from any source is not supported; pass src=")
+        """``recv`` from whichever rank's message with ``tag`` arrives first (``dist.recv``
+        without ``src``); the work's ``source_rank()`` names that rank."""
+        tensors = _as_list(tensors)
+        if len(tensors) != 1:
+            raise ConfigError(f"redsock recv: expected one tensor, got {len(tensors)}")
+        tag = _user_tag(tag, "recv")
+        staged = Staged(tensors[0], read=False, write=True, what="recv")
+        senders: list[int] = []
+        # Its own lane: it waits on every peer, so it must not queue behind a receive from one.
+        jobs = [("recv", _ANY_SOURCE, tag, lambda: senders.append(self.comm.recv(staged.array, None, tag)))]
+        work = self._p2p("recvAnySource", tensors, [staged], jobs, lambda: tensors)
+        work.senders = senders  # filled before the work completes
+        return work
 
     # -- all-to-all --------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import PeerFailure, Timeout
+from ..errors import ConfigError, PeerFailure, Timeout
 
 
 class _Failed:
@@ -52,6 +52,7 @@ class RedsockWork(dist.Work):
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._keep: Any = None  # buffers that must outlive the operation (staged copies, temporaries)
+        self.senders: list[int] = []  # a receive's source rank, known once it completes
 
     # -- dist.Work API ------------------------------------------------------------
 
@@ -73,6 +74,15 @@ class RedsockWork(dist.Work):
         self.wait()
         value = self._future.value()
         return list(value) if isinstance(value, (list, tuple)) else [value]
+
+    def source_rank(self) -> int:
+        """The rank a receive came from (``dist.recv`` without ``src`` returns it)."""
+        self.wait()
+        if not self.senders:
+            raise ConfigError(f"redsock {self.what}: source_rank() is defined for receives only")
+        return self.senders[0]
+
+    _source_rank = source_rank
 
     def is_completed(self) -> bool:
         return self._done.is_set()

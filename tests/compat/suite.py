@@ -11,8 +11,9 @@ a backend registered from Python (redsock) it also:
   that list gloo;
 * with the gate ``gloo``: evaluates the suite's backend-name gates (``BACKEND == "gloo"``,
   ``require_backend_is_available({"gloo"})``, ...) as for gloo — the module is imported
-  with ``BACKEND=gloo`` — and then runs every test on the real backend (the module's
-  ``BACKEND`` global, which ``init_process_group`` and the test bodies read, is set to it).
+  with ``BACKEND=gloo`` — and then runs every test on the real backend: the module's
+  ``BACKEND`` global, which ``init_process_group`` and the test bodies read, becomes the
+  backend's name, a string that also compares equal to "gloo" (the bodies branch on it).
 
 ``suite_env.prepare_environment`` sets the variables; importing this module afterwards builds
 ``TestDistBackendWithSpawn`` from them, in the parent and in the forkserver the ranks are
@@ -71,12 +72,31 @@ def _load_suite_module():
         from torch.testing._internal.distributed import distributed_test as suite
     finally:
         os.environ["BACKEND"] = backend
-    suite.BACKEND = backend  # what init_process_group and the test bodies use
+    # What init_process_group and the test bodies use; with a gate, a name that also
+    # equals the gate's, so the bodies' own comparisons ("if BACKEND == 'gloo'") hold too.
+    suite.BACKEND = _Alias(backend, gate) if gate else backend
     for allow in (suite.PROFILING_SUPPORTED_BACKENDS, suite.CUDA_PROFILING_SUPPORTED_BACKENDS,
                   suite.SEND_RECV_PROFILING_SUPPORTED_BACKENDS):
         if dist.Backend.GLOO in allow and backend not in allow:
             allow.append(backend)
     return suite
+
+
+class _Alias(str):
+    """A backend's name that also compares equal to ``alias`` (hashes as the name itself)."""
+
+    def __new__(cls, name: str, alias: str) -> "_Alias":
+        self = super().__new__(cls, name)
+        self.alias = alias
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return str.__eq__(self, other) is True or other == self.alias
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = str.__hash__
 
 
 def _make_test_class():

@@ -215,16 +215,20 @@ class ProcessGroupRedsock(dist.ProcessGroup):
     def _me(self) -> int:
         return self.comm.rank
 
-    def _new_work(self, what: str, tensors: Sequence[torch.Tensor]) -> RedsockWork:
+    def _new_work(self, what: str, tensors: Sequence[torch.Tensor],
+                  inputs: Sequence[torch.Tensor] | None = None) -> RedsockWork:
+        """``what``: torch's name of the operation (the profiler shows ``redsock:<what>``, as
+        gloo's ``gloo:<what>``); ``inputs``: the tensors the profiler records (default ``tensors``)."""
         if self._shut:
             raise ConfigError(f"redsock {what}: the process group was shut down")
-        return RedsockWork(what, cuda_devices(tensors))
+        return RedsockWork(what, cuda_devices(tensors), tensors if inputs is None else inputs)
 
     def _collective(self, what: str, tensors: Sequence[torch.Tensor], staged: Sequence[Staged],
-                    submit: Callable[[], list[Any]], finish: Callable[[], Any], keep: Any = None) -> RedsockWork:
+                    submit: Callable[[], list[Any]], finish: Callable[[], Any], keep: Any = None,
+                    inputs: Sequence[torch.Tensor] | None = None) -> RedsockWork:
         """Run ``submit()`` (communicator calls with async_op=True, returning their Works)
         and complete a Work with ``finish()`` when they are all done."""
-        work = self._new_work(what, tensors)
+        work = self._new_work(what, tensors, inputs)
         sync_devices(s.tensor for s in staged)  # device-to-host staging copies must have landed
         parts = [w.get_future() for w in submit()]
 
@@ -237,9 +241,9 @@ class ProcessGroupRedsock(dist.ProcessGroup):
 
     def _p2p(self, what: str, tensors: Sequence[torch.Tensor], staged: Sequence[Staged],
              jobs: list[tuple[str, int, int, Callable[[], None]]], finish: Callable[[], Any],
-             keep: Any = None) -> RedsockWork:
+             keep: Any = None, inputs: Sequence[torch.Tensor] | None = None) -> RedsockWork:
         """Run ``jobs`` (direction, peer, tag, fn) on their lanes; complete when all are done."""
-        work = self._new_work(what, tensors)
+        work = self._new_work(what, tensors, inputs)
         sync_devices(s.tensor for s in staged)
         parts = [self._lanes.submit(d, peer, tag, fn) for d, peer, tag, fn in jobs]
 
@@ -262,7 +266,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         tensors = _as_list(tensors)
         op = _reduce_op(opts.reduceOp if opts is not None else _RedOp.SUM, "allreduce")
         staged = [Staged(t, read=True, write=True, what="allreduce") for t in tensors]
-        return self._collective("allreduce", tensors, staged,
+        return self._collective("all_reduce", tensors, staged,
                                 lambda: [self.comm.all_reduce(s.array, op, async_op=True) for s in staged],
                                 lambda: tensors)
 
@@ -310,21 +314,28 @@ class ProcessGroupRedsock(dist.ProcessGroup):
             return flat_outs  # as gloo: the output tensors, flattened
 
         return self._collective(
-            "allgather", [*inputs, *flat_outs], srcs,
+            "all_gather", [*inputs, *flat_outs], srcs,
             lambda: [self.comm.all_gather(s.array, as_numpy(tmp), async_op=True) for s, tmp in zip(srcs, temps)],
-            finish, keep=temps)
+            finish, keep=temps, inputs=inputs)
 
-    # The C++ base class would look for a C++ backend for this one.
-    allgather_coalesced = allgather
+    def allgather_coalesced(self, output_lists: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
+        """``output_lists[r][i]`` = rank r's ``input_tensors[i]`` (the C++ base class would look
+        for a C++ backend)."""
+        inputs = _as_list(input_tensors)
+        lists = [list(o) for o in output_lists]
+        if len(lists) != self._world or any(len(o) != len(inputs) for o in lists):
+            raise ConfigError(f"redsock allgather_coalesced: expected {self._world} output lists of "
+                              f"{len(inputs)} tensors (one per rank, one tensor per input)")
+        return self.allgather([[lists[r][i] for r in range(self._world)] for i in range(len(inputs))], inputs, opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RedsockWork:
         """``output`` (world × input's elements) = every rank's ``input``, in rank order."""
-        return self._gather_into_tensors([output], [input], "all_gather_single")
+        return self._gather_into_tensors([output], [input], "all_gather_into_tensor")
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> RedsockWork:
-        return self._gather_into_tensors(_as_list(outputs), _as_list(inputs), "all_gather_single_coalesced")
+        return self._gather_into_tensors(_as_list(outputs), _as_list(inputs), "all_gather_into_tensor_coalesced")
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -354,7 +365,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         return self._collective(
             what, [*outputs, *inputs], [*staged_in, *staged_out],
             lambda: [start(i.array, o.array) for i, o in zip(staged_in, staged_out)],
-            lambda: outputs)
+            lambda: outputs, inputs=inputs)
 
     # -- reduce-scatter --------------------------------------------------------------------
 
@@ -389,13 +400,13 @@ class ProcessGroupRedsock(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RedsockWork:
         """``output`` = the reduction over ranks of segment ``rank`` of ``input`` (world × output)."""
-        return self._scatter_into_tensors([output], [input], opts, "reduce_scatter_single")
+        return self._scatter_into_tensors([output], [input], opts, "reduce_scatter_tensor")
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> RedsockWork:
         return self._scatter_into_tensors(_as_list(outputs), _as_list(inputs), opts,
-                                          "reduce_scatter_single_coalesced")
+                                          "reduce_scatter_tensor_coalesced")
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -521,7 +532,8 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         sync_devices(inputs)  # (CUDA: the staged copy must have landed before we read it)
         staged_out[me].array[...] = staged_in[me].array
         jobs = self._exchange([s.array for s in staged_in], [s.array for s in staged_out], _ALLTOALL_TAG)
-        return self._p2p("alltoall", [*outputs, *inputs], [*staged_in, *staged_out], jobs, lambda: outputs)
+        return self._p2p("all_to_all", [*outputs, *inputs], [*staged_in, *staged_out], jobs, lambda: outputs,
+                         inputs=inputs)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], opts: Any = None) -> RedsockWork:
@@ -548,7 +560,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         sync_devices([input])
         recvs[me][...] = sends[me]
         jobs = self._exchange(sends, recvs, _ALLTOALL_TAG)
-        return self._p2p("alltoall_base", [output, input], [src, dst], jobs, lambda: [output])
+        return self._p2p("all_to_all", [output, input], [src, dst], jobs, lambda: [output], inputs=[input])
 
     alltoall_base = all_to_all_single
 
@@ -582,7 +594,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         staged[self._me].array[...] = src.array
         jobs = [("recv", r, _GATHER_TAG, _receiver(self.comm, s.array, r, _GATHER_TAG))
                 for r, s in enumerate(staged) if r != self._me]
-        return self._p2p("gather", [*inputs, *outs], [src, *staged], jobs, lambda: outs)
+        return self._p2p("gather", [*inputs, *outs], [src, *staged], jobs, lambda: outs, inputs=inputs)
 
     def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
         outputs = _as_list(output_tensors)
@@ -599,7 +611,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         dst.array[...] = staged[self._me].array
         jobs = [("send", r, _SCATTER_TAG, _sender(self.comm, s.array, r, _SCATTER_TAG))
                 for r, s in enumerate(staged) if r != self._me]
-        return self._p2p("scatter", [*outputs, *ins], [dst, *staged], jobs, lambda: outputs)
+        return self._p2p("scatter", [*outputs, *ins], [dst, *staged], jobs, lambda: outputs, inputs=outputs)
 
     def _root_tensors(self, what: str, tensor_lists: Any, mine: Staged, kind: str, other: str,
                       write: bool) -> tuple[list[Any], list[Staged]]:

@@ -43,9 +43,13 @@ class RedsockWork(dist.Work):
     """Handle of one redsock operation: ``wait()`` raises the operation's error (e.g.
     :class:`~redsock.errors.PeerFailure`), ``get_future()`` is what DDP chains on."""
 
-    def __init__(self, what: str, devices: Sequence[torch.device] = ()):
+    def __init__(self, what: str, devices: Sequence[torch.device] = (), inputs: Sequence[torch.Tensor] = ()):
         super().__init__()
         self.what = what
+        # Under a profiler, like gloo's works: an async "redsock:<op>" event with the input
+        # shapes, from the call until the operation completes (on another thread).
+        self._record = (torch.autograd._record_function_with_args_enter(f"redsock:{what}", *inputs)
+                        if torch._C._autograd._profiler_enabled() else None)
         # A future that holds CUDA tensors must name their devices (torch checks on completion).
         self._private = torch.futures.Future(devices=list(devices)) if devices else torch.futures.Future()
         self._future = self._private.then(_unwrap)
@@ -100,15 +104,22 @@ class RedsockWork(dist.Work):
     # -- completion (called from the communicator's threads) -----------------------
 
     def _set_result(self, value: Any) -> None:
+        self._end_record()
         self._keep = None
         self._private.set_result(value)
         self._done.set()
 
     def _set_error(self, error: BaseException) -> None:
+        self._end_record()
         self._keep = None
         self._error = error
         self._private.set_result(_Failed(error))
         self._done.set()
+
+    def _end_record(self) -> None:
+        if self._record is not None:
+            torch.autograd._record_function_with_args_exit(self._record)
+            self._record = None
 
 
 class Tracker:

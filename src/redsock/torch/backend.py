@@ -138,7 +138,8 @@ class _Lanes:
         self._lanes: dict[tuple[str, int, int], ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
 
-    def submit(self, direction: str, peer: int, tag: int, fn: Callable[[], None]) -> Future:
+    def submit(self, direction: str, peer: int, tag: int, fn: Callable[[], None], part: Future) -> None:
+        """Run ``fn`` on its lane and settle ``part`` there (cancel it if the lane is shut down first)."""
         key = (direction, peer, tag)
         with self._lock:
             lane = self._lanes.get(key)
@@ -146,13 +147,23 @@ class _Lanes:
                 lane = ThreadPoolExecutor(max_workers=1,
                                           thread_name_prefix=f"redsock-{self._label}-{direction}{peer}-t{tag}")
                 self._lanes[key] = lane
-            return lane.submit(fn)
+            job = lane.submit(_settle, fn, part)
+        job.add_done_callback(lambda j: part.cancel() if j.cancelled() else None)
 
     def shutdown(self) -> None:
         with self._lock:
             lanes, self._lanes = list(self._lanes.values()), {}
         for lane in lanes:
             lane.shutdown(wait=False, cancel_futures=True)
+
+
+def _settle(fn: Callable[[], None], part: Future) -> None:
+    try:
+        fn()
+    except BaseException as e:  # the part carries it to the work (Work.wait raises it)
+        part.set_exception(e)
+    else:
+        part.set_result(None)
 
 
 # -- the process group ----------------------------------------------------------------------
@@ -245,14 +256,20 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         """Run ``jobs`` (direction, peer, tag, fn) on their lanes; complete when all are done."""
         work = self._new_work(what, tensors, inputs)
         sync_devices(s.tensor for s in staged)
-        parts = [self._lanes.submit(d, peer, tag, fn) for d, peer, tag, fn in jobs]
 
         def done() -> Any:
             for s in staged:
                 s.finish()
             return finish()
 
-        return self._tracker.complete_when_done(work, parts, done, keep=(staged, keep))
+        # Tracked before the jobs start, so the work completes on a lane thread even when a
+        # job is done at once (as gloo's works complete on its threads: the profiler shows
+        # an async event, and the caller never runs completion callbacks itself).
+        parts: list[Future] = [Future() for _ in jobs]
+        self._tracker.complete_when_done(work, parts, done, keep=(staged, keep))
+        for (direction, peer, tag, fn), part in zip(jobs, parts):
+            self._lanes.submit(direction, peer, tag, fn, part)
+        return work
 
     def _check_peer(self, peer: int, what: str) -> int:
         if not isinstance(peer, int) or not 0 <= peer < self._world or peer == self._me:

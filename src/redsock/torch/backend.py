@@ -29,6 +29,7 @@ Tensors are handed over without copies when they are contiguous CPU tensors
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -99,9 +100,13 @@ def new_communicator(rank: int, size: int, store: Any, **options: Any) -> Commun
 
     torch calls the creator only on a group's members, so per-process numbering of
     communicators would drift between ranks; the store is already private to the
-    group (torch prefixes it with the group's name), so one fixed namespace suffices.
+    group (torch prefixes it with the group's name), so one namespace per generation of
+    workers suffices.
     """
-    return redsock_init(rank, size, store, namespace="torch", **options)
+    # torchrun's agent store outlives a generation of workers (elastic restarts): the keys of a
+    # dead generation (its addresses, its job id, its "failed" mark) must not reach the next.
+    generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return redsock_init(rank, size, store, namespace=f"torch/{generation}", **options)
 
 
 def _options_of(pg_options: Any) -> dict[str, Any]:

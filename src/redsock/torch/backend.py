@@ -287,10 +287,40 @@ class ProcessGroupRedsock(dist.ProcessGroup):
     def allreduce(self, tensors: Any, opts: Any = None) -> RedsockWork:
         tensors = _as_list(tensors)
         op = _reduce_op(opts.reduceOp if opts is not None else _RedOp.SUM, "allreduce")
+        if any(t.layout == torch.sparse_coo for t in tensors):
+            return self._allreduce_sparse(tensors, op)
         staged = [Staged(t, read=True, write=True, what="allreduce") for t in tensors]
         return self._collective("all_reduce", tensors, staged,
                                 lambda: [self.comm.all_reduce(s.array, op, async_op=True) for s in staged],
                                 lambda: tensors)
+
+    def _allreduce_sparse(self, tensors: list[torch.Tensor], op: str) -> RedsockWork:
+        """The sum of sparse COO tensors (as gloo): every rank's indices and values are gathered,
+        counts first, and every rank sums them in rank order, so all end with the same tensor.
+        Runs before it returns: the counts must be known before the data can move."""
+        if op != "sum" or len(tensors) != 1:
+            raise ConfigError("redsock allreduce: sparse tensors are reduced with SUM, one tensor per call")
+        t = tensors[0]
+        work = self._new_work("all_reduce", tensors)
+        mine = t.coalesce()
+        idx, val = mine.indices(), mine.values()
+        counts = torch.empty(self._world, dtype=torch.int64)
+        self.comm.all_gather(as_numpy(torch.tensor([idx.shape[1]])), as_numpy(counts))
+        most = int(counts.max())
+        # Padded to the largest count: all_gather moves equal-sized parts.
+        pidx = torch.zeros(idx.shape[0], most, dtype=torch.int64)
+        pval = torch.zeros(most, *val.shape[1:], dtype=val.dtype)
+        pidx[:, :idx.shape[1]], pval[:val.shape[0]] = idx, val
+        all_idx = torch.empty(self._world, *pidx.shape, dtype=pidx.dtype)
+        all_val = torch.empty(self._world, *pval.shape, dtype=pval.dtype)
+        self.comm.all_gather(as_numpy(pidx), as_numpy(all_idx))
+        self.comm.all_gather(as_numpy(check_tensor(pval, "allreduce")), as_numpy(all_val))
+        n = counts.tolist()
+        total = torch.sparse_coo_tensor(torch.cat([all_idx[r, :, :n[r]] for r in range(self._world)], dim=1),
+                                        torch.cat([all_val[r, :n[r]] for r in range(self._world)]),
+                                        t.shape).coalesce()
+        t.copy_(total)
+        return self._tracker.complete_when_done(work, [], lambda: tensors)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> RedsockWork:
         return self.allreduce(tensors, opts)

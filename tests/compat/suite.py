@@ -48,6 +48,11 @@ def _forkserver_process(target, name, args, kwargs):
 def _in_environment(environ, target, *args, **kwargs):
     os.environ.clear()
     os.environ.update(environ)
+    # The suite reads INIT_METHOD into a global at import (the forkserver's import, with the
+    # first test's value); a spawned rank would read this test's.
+    from torch.testing._internal.distributed import distributed_test
+
+    distributed_test.INIT_METHOD = os.environ["INIT_METHOD"]
     return target(*args, **kwargs)
 
 

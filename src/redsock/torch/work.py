@@ -50,6 +50,7 @@ class RedsockWork(dist.Work):
         # shapes, from the call until the operation completes (on another thread).
         self._record = (torch.autograd._record_function_with_args_enter(f"redsock:{what}", *inputs)
                         if torch._C._autograd._profiler_enabled() else None)
+        self._caller = threading.get_ident()
         # A future that holds CUDA tensors must name their devices (torch checks on completion).
         self._private = torch.futures.Future(devices=list(devices)) if devices else torch.futures.Future()
         self._future = self._private.then(_unwrap)
@@ -117,9 +118,17 @@ class RedsockWork(dist.Work):
         self._done.set()
 
     def _end_record(self) -> None:
-        if self._record is not None:
-            torch.autograd._record_function_with_args_exit(self._record)
-            self._record = None
+        record, self._record = self._record, None
+        if record is None:
+            return
+        if threading.get_ident() != self._caller:
+            torch.autograd._record_function_with_args_exit(record)
+            return
+        # Done before the caller had tracked it, so completed on the caller's thread: end the
+        # event from another thread, as every other operation's (profiling only, and rare).
+        ender = threading.Thread(target=torch.autograd._record_function_with_args_exit, args=(record,))
+        ender.start()
+        ender.join()
 
 
 class Tracker:

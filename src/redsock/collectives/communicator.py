@@ -164,6 +164,8 @@ class Communicator:
             self._p2p(src, "recv", lambda conn: conn.recv(x, _P2P_TAG | _user_tag(tag), timeout=limit))
             return src
         self._check_usable()
+        if self.world_size == 1:
+            raise ConfigError("recv from any source in a world of 1: no other rank can send")
         try:
             rank, handle = irecv_any(self._senders, x, _P2P_TAG | _user_tag(tag), timeout=limit)
             handle.wait(limit)

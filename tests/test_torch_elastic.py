@@ -88,6 +88,7 @@ def test_elastic_restart_through_reducers_frees_the_old_generations_job(tmp_path
         _wait_until(lambda: len(re.findall(r"job (0x[0-9a-f]+) left\b", _log_text(proc))) >= 2
                     or "aborted" in _log_text(proc) and re.search(r"job 0x[0-9a-f]+ left\b", _log_text(proc)), 30)
         log = _log_text(proc)
+        print("reducer:", *[line for line in log.splitlines() if " job " in line], sep="\n  ")
         jobs = re.findall(r"job (0x[0-9a-f]+) joined", log)
         assert len(jobs) == 2 and jobs[0] != jobs[1], log
         old, new = jobs

@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test bench-transport reproduce clean
+.PHONY: setup demo test compat bench-transport reproduce clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# torch's own distributed test suite on redsock next to gloo, world sizes 2 and 3 (tests/compat/compat.py).
+compat: setup
+	$(PY) tests/compat/compat.py --world-sizes 2,3 --out out/compat
 
 bench-transport: setup
 	$(PY) -m redsock bench transport --local

@@ -202,6 +202,22 @@ def point_to_point(gloo) -> None:
     for req in dist.batch_isend_irecv(ops_list):
         req.wait()
     same(got, torch.full((3,), float(left)), "batch_isend_irecv")
+    # recv without src: from whichever rank sends first, matched by tag (a large message too,
+    # which arrives over the data streams), on both backends; each sender's message intact.
+    others = [r for r in range(world) if r != rank]
+    for group in (None, gloo):
+        sends = [dist.isend(torch.full((n,), float(rank * 100 + tag)), peer, group=group, tag=tag)
+                 for tag, n in ((8, 1 << 19), (3, 10)) for peer in others]
+        for tag, n in ((3, 10), (8, 1 << 19)):  # received in the other order than sent
+            senders = []
+            for _ in others:
+                buf = torch.empty(n)
+                src = dist.recv(buf, group=group, tag=tag)
+                same(buf, torch.full((n,), float(src * 100 + tag)), f"recv from any source (tag {tag})")
+                senders.append(src)
+            assert sorted(senders) == others, f"tag {tag}: received from {senders}"
+        for req in sends:
+            req.wait()
     pg = dist.group.WORLD  # (torch.distributed itself refuses sends to self before the backend sees them)
     expect_error(lambda: pg.send([torch.ones(1)], rank, 0), "not another rank", "send to self")
     expect_error(lambda: pg.recv([torch.ones(1)], right, -1), "tag must be", "negative tag")

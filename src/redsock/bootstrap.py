@@ -162,6 +162,7 @@ class PeerTable:
         self._ident = f"{zlib.crc32(self.prefix.encode()):08x}:r"
         self.store = store
         self._conns: dict[int, Connection] = {}
+        self._connecting: dict[int, threading.Lock] = {}  # per higher peer, while connecting
         self._failed_reason: str | None = None
         self._cv = threading.Condition()
         self._closed = False
@@ -221,13 +222,19 @@ class PeerTable:
         if peer == self.rank or not 0 <= peer < self.world_size:
             raise ConfigError(f"rank {self.rank}: no peer rank {peer} in a world of {self.world_size}")
         if peer > self.rank:
-            addr = self._lookup(peer)
-            host, _, port = addr.rpartition(":")
-            conn = connect((host, int(port)), config=self.config, name=self.name(self.rank),
-                           peer_name=f"rank {peer} ({addr})", retry_s=self.config.timeout_s)
             with self._cv:
-                self._conns[peer] = conn
-                failed = self._failed_reason
+                connecting = self._connecting.setdefault(peer, threading.Lock())
+            with connecting:  # two threads asking at once must not open two connections
+                conn = self._conns.get(peer)
+                if conn is not None:
+                    return conn
+                addr = self._lookup(peer)
+                host, _, port = addr.rpartition(":")
+                conn = connect((host, int(port)), config=self.config, name=self.name(self.rank),
+                               peer_name=f"rank {peer} ({addr})", retry_s=self.config.timeout_s)
+                with self._cv:
+                    self._conns[peer] = conn
+                    failed = self._failed_reason
             if failed is not None:
                 conn.abort(failed)
             return conn

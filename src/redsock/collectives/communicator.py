@@ -18,7 +18,7 @@ from .. import ops
 from ..bootstrap import PeerTable
 from ..config import Config, KiB
 from ..errors import ConfigError, PeerFailure, RedsockError, TransportError
-from ..transport import shm
+from ..transport import Connection, irecv_any, shm
 from . import ring, server_client, small
 from .context import CallContext, Finish, ScratchPool
 from .hierarchy import Hierarchy
@@ -197,10 +197,32 @@ class Communicator:
         x = _check_array(array, "send", writable=False)
         self._p2p(dst, "send", lambda conn: conn.send(x, _P2P_TAG | _user_tag(tag), timeout=self.config.timeout_s))
 
-    def recv(self, array: np.ndarray, src: int, tag: int = 0) -> None:
-        """Receive the next message from rank ``src`` with ``tag`` into ``array`` (sizes must match)."""
+    def recv(self, array: np.ndarray, src: int | None = None, tag: int = 0, timeout: float | None = None) -> int:
+        """Receive the next message with ``tag`` from rank ``src`` into ``array`` (sizes must
+        match); with ``src=None``, from whichever rank's message arrives first (each rank's
+        messages still in order).  Returns the sender's rank.  ``timeout``: seconds without
+        progress (default ``REDSOCK_TIMEOUT_S``)."""
         x = _check_array(array, "recv", writable=True)
-        self._p2p(src, "recv", lambda conn: conn.recv(x, _P2P_TAG | _user_tag(tag), timeout=self.config.timeout_s))
+        limit = self.config.timeout_s if timeout is None else timeout
+        if src is not None:
+            self._p2p(src, "recv", lambda conn: conn.recv(x, _P2P_TAG | _user_tag(tag), timeout=limit))
+            return src
+        self._check_usable()
+        if self.world_size == 1:
+            raise ConfigError("recv from any source in a world of 1: no other rank can send")
+        try:
+            rank, handle = irecv_any(self._senders, x, _P2P_TAG | _user_tag(tag), timeout=limit)
+            handle.wait(limit)
+        except RedsockError as e:
+            raise self._failed("recv from any source", None, e) from e
+        return rank
+
+    def _senders(self) -> dict[int, Connection]:
+        """The peers that can send to this rank now.  A higher rank waits for this one to
+        connect before it sends, so connect to all of them; a lower rank connects itself."""
+        for peer in range(self.rank + 1, self.world_size):
+            self.peers.get(peer)
+        return self.peers.connections()
 
     def close(self) -> None:
         """Close every connection.  Idempotent."""

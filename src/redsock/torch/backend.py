@@ -29,7 +29,9 @@ Tensors are handed over without copies when they are contiguous CPU tensors
 from __future__ import annotations
 
 import math
+import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -41,7 +43,7 @@ import torch.distributed as dist
 
 from ..api import init as redsock_init
 from ..collectives import Communicator
-from ..errors import ConfigError
+from ..errors import ConfigError, PeerFailure, RedsockError
 from .bridge import (
     Staged,
     as_numpy,
@@ -67,6 +69,12 @@ _MAX_USER_TAG = 1 << 31
 _ALLTOALL_TAG = 1 << 40
 _GATHER_TAG = (1 << 40) + 1
 _SCATTER_TAG = (1 << 40) + 2
+_MONITORED_TAG = (1 << 40) + 3
+_ANY_SOURCE = -1  # the lane of receives from any peer
+
+
+class BarrierFailure(PeerFailure, RuntimeError):
+    """``monitored_barrier`` found ranks missing (a RuntimeError, as torch's backends raise)."""
 
 
 class Options:
@@ -92,9 +100,13 @@ def new_communicator(rank: int, size: int, store: Any, **options: Any) -> Commun
 
     torch calls the creator only on a group's members, so per-process numbering of
     communicators would drift between ranks; the store is already private to the
-    group (torch prefixes it with the group's name), so one fixed namespace suffices.
+    group (torch prefixes it with the group's name), so one namespace per generation of
+    workers suffices.
     """
-    return redsock_init(rank, size, store, namespace="torch", **options)
+    # torchrun's agent store outlives a generation of workers (elastic restarts): the keys of a
+    # dead generation (its addresses, its job id, its "failed" mark) must not reach the next.
+    generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return redsock_init(rank, size, store, namespace=f"torch/{generation}", **options)
 
 
 def _options_of(pg_options: Any) -> dict[str, Any]:
@@ -131,7 +143,8 @@ class _Lanes:
         self._lanes: dict[tuple[str, int, int], ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
 
-    def submit(self, direction: str, peer: int, tag: int, fn: Callable[[], None]) -> Future:
+    def submit(self, direction: str, peer: int, tag: int, fn: Callable[[], None], part: Future) -> None:
+        """Run ``fn`` on its lane and settle ``part`` there (cancel it if the lane is shut down first)."""
         key = (direction, peer, tag)
         with self._lock:
             lane = self._lanes.get(key)
@@ -139,13 +152,23 @@ class _Lanes:
                 lane = ThreadPoolExecutor(max_workers=1,
                                           thread_name_prefix=f"redsock-{self._label}-{direction}{peer}-t{tag}")
                 self._lanes[key] = lane
-            return lane.submit(fn)
+            job = lane.submit(_settle, fn, part)
+        job.add_done_callback(lambda j: part.cancel() if j.cancelled() else None)
 
     def shutdown(self) -> None:
         with self._lock:
             lanes, self._lanes = list(self._lanes.values()), {}
         for lane in lanes:
             lane.shutdown(wait=False, cancel_futures=True)
+
+
+def _settle(fn: Callable[[], None], part: Future) -> None:
+    try:
+        fn()
+    except BaseException as e:  # the part carries it to the work (Work.wait raises it)
+        part.set_exception(e)
+    else:
+        part.set_result(None)
 
 
 # -- the process group ----------------------------------------------------------------------
@@ -208,16 +231,20 @@ class ProcessGroupRedsock(dist.ProcessGroup):
     def _me(self) -> int:
         return self.comm.rank
 
-    def _new_work(self, what: str, tensors: Sequence[torch.Tensor]) -> RedsockWork:
+    def _new_work(self, what: str, tensors: Sequence[torch.Tensor],
+                  inputs: Sequence[torch.Tensor] | None = None) -> RedsockWork:
+        """``what``: torch's name of the operation (the profiler shows ``redsock:<what>``, as
+        gloo's ``gloo:<what>``); ``inputs``: the tensors the profiler records (default ``tensors``)."""
         if self._shut:
             raise ConfigError(f"redsock {what}: the process group was shut down")
-        return RedsockWork(what, cuda_devices(tensors))
+        return RedsockWork(what, cuda_devices(tensors), tensors if inputs is None else inputs)
 
     def _collective(self, what: str, tensors: Sequence[torch.Tensor], staged: Sequence[Staged],
-                    submit: Callable[[], list[Any]], finish: Callable[[], Any], keep: Any = None) -> RedsockWork:
+                    submit: Callable[[], list[Any]], finish: Callable[[], Any], keep: Any = None,
+                    inputs: Sequence[torch.Tensor] | None = None) -> RedsockWork:
         """Run ``submit()`` (communicator calls with async_op=True, returning their Works)
         and complete a Work with ``finish()`` when they are all done."""
-        work = self._new_work(what, tensors)
+        work = self._new_work(what, tensors, inputs)
         sync_devices(s.tensor for s in staged)  # device-to-host staging copies must have landed
         parts = [w.get_future() for w in submit()]
 
@@ -230,18 +257,24 @@ class ProcessGroupRedsock(dist.ProcessGroup):
 
     def _p2p(self, what: str, tensors: Sequence[torch.Tensor], staged: Sequence[Staged],
              jobs: list[tuple[str, int, int, Callable[[], None]]], finish: Callable[[], Any],
-             keep: Any = None) -> RedsockWork:
+             keep: Any = None, inputs: Sequence[torch.Tensor] | None = None) -> RedsockWork:
         """Run ``jobs`` (direction, peer, tag, fn) on their lanes; complete when all are done."""
-        work = self._new_work(what, tensors)
+        work = self._new_work(what, tensors, inputs)
         sync_devices(s.tensor for s in staged)
-        parts = [self._lanes.submit(d, peer, tag, fn) for d, peer, tag, fn in jobs]
 
         def done() -> Any:
             for s in staged:
                 s.finish()
             return finish()
 
-        return self._tracker.complete_when_done(work, parts, done, keep=(staged, keep))
+        # Tracked before the jobs start, so the work completes on a lane thread even when a
+        # job is done at once (as gloo's works complete on its threads: the profiler shows
+        # an async event, and the caller never runs completion callbacks itself).
+        parts: list[Future] = [Future() for _ in jobs]
+        self._tracker.complete_when_done(work, parts, done, keep=(staged, keep))
+        for (direction, peer, tag, fn), part in zip(jobs, parts):
+            self._lanes.submit(direction, peer, tag, fn, part)
+        return work
 
     def _check_peer(self, peer: int, what: str) -> int:
         if not isinstance(peer, int) or not 0 <= peer < self._world or peer == self._me:
@@ -254,10 +287,40 @@ class ProcessGroupRedsock(dist.ProcessGroup):
     def allreduce(self, tensors: Any, opts: Any = None) -> RedsockWork:
         tensors = _as_list(tensors)
         op = _reduce_op(opts.reduceOp if opts is not None else _RedOp.SUM, "allreduce")
+        if any(t.layout == torch.sparse_coo for t in tensors):
+            return self._allreduce_sparse(tensors, op)
         staged = [Staged(t, read=True, write=True, what="allreduce") for t in tensors]
-        return self._collective("allreduce", tensors, staged,
+        return self._collective("all_reduce", tensors, staged,
                                 lambda: [self.comm.all_reduce(s.array, op, async_op=True) for s in staged],
                                 lambda: tensors)
+
+    def _allreduce_sparse(self, tensors: list[torch.Tensor], op: str) -> RedsockWork:
+        """The sum of sparse COO tensors (as gloo): every rank's indices and values are gathered,
+        counts first, and every rank sums them in rank order, so all end with the same tensor.
+        Runs before it returns: the counts must be known before the data can move."""
+        if op != "sum" or len(tensors) != 1:
+            raise ConfigError("redsock allreduce: sparse tensors are reduced with SUM, one tensor per call")
+        t = tensors[0]
+        work = self._new_work("all_reduce", tensors)
+        mine = t.coalesce()
+        idx, val = mine.indices(), mine.values()
+        counts = torch.empty(self._world, dtype=torch.int64)
+        self.comm.all_gather(as_numpy(torch.tensor([idx.shape[1]])), as_numpy(counts))
+        most = int(counts.max())
+        # Padded to the largest count: all_gather moves equal-sized parts.
+        pidx = torch.zeros(idx.shape[0], most, dtype=torch.int64)
+        pval = torch.zeros(most, *val.shape[1:], dtype=val.dtype)
+        pidx[:, :idx.shape[1]], pval[:val.shape[0]] = idx, val
+        all_idx = torch.empty(self._world, *pidx.shape, dtype=pidx.dtype)
+        all_val = torch.empty(self._world, *pval.shape, dtype=pval.dtype)
+        self.comm.all_gather(as_numpy(pidx), as_numpy(all_idx))
+        self.comm.all_gather(as_numpy(check_tensor(pval, "allreduce")), as_numpy(all_val))
+        n = counts.tolist()
+        total = torch.sparse_coo_tensor(torch.cat([all_idx[r, :, :n[r]] for r in range(self._world)], dim=1),
+                                        torch.cat([all_val[r, :n[r]] for r in range(self._world)]),
+                                        t.shape).coalesce()
+        t.copy_(total)
+        return self._tracker.complete_when_done(work, [], lambda: tensors)
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> RedsockWork:
         return self.allreduce(tensors, opts)
@@ -303,18 +366,28 @@ class ProcessGroupRedsock(dist.ProcessGroup):
             return flat_outs  # as gloo: the output tensors, flattened
 
         return self._collective(
-            "allgather", [*inputs, *flat_outs], srcs,
+            "all_gather", [*inputs, *flat_outs], srcs,
             lambda: [self.comm.all_gather(s.array, as_numpy(tmp), async_op=True) for s, tmp in zip(srcs, temps)],
-            finish, keep=temps)
+            finish, keep=temps, inputs=inputs)
+
+    def allgather_coalesced(self, output_lists: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
+        """``output_lists[r][i]`` = rank r's ``input_tensors[i]`` (the C++ base class would look
+        for a C++ backend)."""
+        inputs = _as_list(input_tensors)
+        lists = [list(o) for o in output_lists]
+        if len(lists) != self._world or any(len(o) != len(inputs) for o in lists):
+            raise ConfigError(f"redsock allgather_coalesced: expected {self._world} output lists of "
+                              f"{len(inputs)} tensors (one per rank, one tensor per input)")
+        return self.allgather([[lists[r][i] for r in range(self._world)] for i in range(len(inputs))], inputs, opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RedsockWork:
         """``output`` (world × input's elements) = every rank's ``input``, in rank order."""
-        return self._gather_into_tensors([output], [input], "all_gather_single")
+        return self._gather_into_tensors([output], [input], "all_gather_into_tensor")
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> RedsockWork:
-        return self._gather_into_tensors(_as_list(outputs), _as_list(inputs), "all_gather_single_coalesced")
+        return self._gather_into_tensors(_as_list(outputs), _as_list(inputs), "all_gather_into_tensor_coalesced")
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -344,7 +417,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         return self._collective(
             what, [*outputs, *inputs], [*staged_in, *staged_out],
             lambda: [start(i.array, o.array) for i, o in zip(staged_in, staged_out)],
-            lambda: outputs)
+            lambda: outputs, inputs=inputs)
 
     # -- reduce-scatter --------------------------------------------------------------------
 
@@ -379,13 +452,13 @@ class ProcessGroupRedsock(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RedsockWork:
         """``output`` = the reduction over ranks of segment ``rank`` of ``input`` (world × output)."""
-        return self._scatter_into_tensors([output], [input], opts, "reduce_scatter_single")
+        return self._scatter_into_tensors([output], [input], opts, "reduce_scatter_tensor")
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> RedsockWork:
         return self._scatter_into_tensors(_as_list(outputs), _as_list(inputs), opts,
-                                          "reduce_scatter_single_coalesced")
+                                          "reduce_scatter_tensor_coalesced")
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -425,6 +498,41 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         part = self.comm.all_reduce(token, "sum", algorithm="small", async_op=True).get_future()
         return self._tracker.complete_when_done(work, [*earlier, part], lambda: [], keep=token)
 
+    def monitored_barrier(self, timeout: timedelta | float | None = None, wait_all_ranks: bool = False) -> None:
+        """A barrier that names the ranks that did not reach it (gloo's semantics): every rank
+        reports to rank 0, which waits for all of them until ``timeout`` (default: the group's),
+        then releases them.  Rank 0 raises naming the first missing rank (``wait_all_ranks``:
+        all of them); the others raise if rank 0 does not release them in time."""
+        seconds = (timeout.total_seconds() if isinstance(timeout, timedelta)
+                   else self.comm.config.timeout_s if timeout is None else float(timeout))
+        ms = int(seconds * 1000)
+        token = np.zeros(1, np.uint8)
+        if self._me != 0:
+            try:
+                self.comm.send(token, 0, _MONITORED_TAG)
+                self.comm.recv(token, 0, _MONITORED_TAG, timeout=seconds)
+            except RedsockError as e:
+                raise BarrierFailure(f"Rank {self._me} successfully reached monitoredBarrier, but received errors "
+                                     f"while waiting for send/recv from rank 0: {e}") from e
+            return
+        if seconds <= 0:
+            raise BarrierFailure(f"Rank 0 timed out in monitoredBarrier after {ms} ms")
+        deadline = time.monotonic() + seconds
+        arrived: set[int] = set()
+        try:
+            while len(arrived) < self._world - 1:
+                arrived.add(self.comm.recv(token, None, _MONITORED_TAG,
+                                           timeout=max(0.0, deadline - time.monotonic())))
+        except RedsockError as e:
+            missing = [r for r in range(1, self._world) if r not in arrived]
+            if wait_all_ranks:
+                who = f"Ranks {', '.join(map(str, missing))}"
+            else:
+                who = f"Rank {missing[0]}"
+            raise BarrierFailure(f"{who} failed to pass monitoredBarrier in {ms} ms: {e}") from e
+        for r in range(1, self._world):
+            self.comm.send(token, r, _MONITORED_TAG)
+
     # -- point-to-point ------------------------------------------------------------------------
 
     def send(self, tensors: Any, dstRank: int, tag: int = 0) -> RedsockWork:  # noqa: N803 - torch's names
@@ -441,10 +549,24 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         tag = _user_tag(tag, "recv")
         staged = [Staged(t, read=False, write=True, what="recv") for t in tensors]
         jobs = [("recv", src, tag, _receiver(self.comm, s.array, src, tag)) for s in staged]
-        return self._p2p("recv", tensors, staged, jobs, lambda: tensors)
+        work = self._p2p("recv", tensors, staged, jobs, lambda: tensors)
+        work.senders.append(src)
+        return work
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> RedsockWork:
-        raise ConfigError("redsock recv: receiving from any source is not supported; pass src=")
+        """``recv`` from whichever rank's message with ``tag`` arrives first (``dist.recv``
+        without ``src``); the work's ``source_rank()`` names that rank."""
+        tensors = _as_list(tensors)
+        if len(tensors) != 1:
+            raise ConfigError(f"redsock recv: expected one tensor, got {len(tensors)}")
+        tag = _user_tag(tag, "recv")
+        staged = Staged(tensors[0], read=False, write=True, what="recv")
+        senders: list[int] = []
+        # Its own lane: it waits on every peer, so it must not queue behind a receive from one.
+        jobs = [("recv", _ANY_SOURCE, tag, lambda: senders.append(self.comm.recv(staged.array, None, tag)))]
+        work = self._p2p("recvAnySource", tensors, [staged], jobs, lambda: tensors)
+        work.senders = senders  # filled before the work completes
+        return work
 
     # -- all-to-all --------------------------------------------------------------------------
 
@@ -462,7 +584,8 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         sync_devices(inputs)  # (CUDA: the staged copy must have landed before we read it)
         staged_out[me].array[...] = staged_in[me].array
         jobs = self._exchange([s.array for s in staged_in], [s.array for s in staged_out], _ALLTOALL_TAG)
-        return self._p2p("alltoall", [*outputs, *inputs], [*staged_in, *staged_out], jobs, lambda: outputs)
+        return self._p2p("all_to_all", [*outputs, *inputs], [*staged_in, *staged_out], jobs, lambda: outputs,
+                         inputs=inputs)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], opts: Any = None) -> RedsockWork:
@@ -489,7 +612,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         sync_devices([input])
         recvs[me][...] = sends[me]
         jobs = self._exchange(sends, recvs, _ALLTOALL_TAG)
-        return self._p2p("alltoall_base", [output, input], [src, dst], jobs, lambda: [output])
+        return self._p2p("all_to_all", [output, input], [src, dst], jobs, lambda: [output], inputs=[input])
 
     alltoall_base = all_to_all_single
 
@@ -523,7 +646,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         staged[self._me].array[...] = src.array
         jobs = [("recv", r, _GATHER_TAG, _receiver(self.comm, s.array, r, _GATHER_TAG))
                 for r, s in enumerate(staged) if r != self._me]
-        return self._p2p("gather", [*inputs, *outs], [src, *staged], jobs, lambda: outs)
+        return self._p2p("gather", [*inputs, *outs], [src, *staged], jobs, lambda: outs, inputs=inputs)
 
     def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
         outputs = _as_list(output_tensors)
@@ -540,7 +663,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         dst.array[...] = staged[self._me].array
         jobs = [("send", r, _SCATTER_TAG, _sender(self.comm, s.array, r, _SCATTER_TAG))
                 for r, s in enumerate(staged) if r != self._me]
-        return self._p2p("scatter", [*outputs, *ins], [dst, *staged], jobs, lambda: outputs)
+        return self._p2p("scatter", [*outputs, *ins], [dst, *staged], jobs, lambda: outputs, inputs=outputs)
 
     def _root_tensors(self, what: str, tensor_lists: Any, mine: Staged, kind: str, other: str,
                       write: bool) -> tuple[list[Any], list[Staged]]:

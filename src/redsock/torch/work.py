@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import PeerFailure, Timeout
+from ..errors import ConfigError, PeerFailure, Timeout
 
 
 class _Failed:
@@ -43,15 +43,21 @@ class RedsockWork(dist.Work):
     """Handle of one redsock operation: ``wait()`` raises the operation's error (e.g.
     :class:`~redsock.errors.PeerFailure`), ``get_future()`` is what DDP chains on."""
 
-    def __init__(self, what: str, devices: Sequence[torch.device] = ()):
+    def __init__(self, what: str, devices: Sequence[torch.device] = (), inputs: Sequence[torch.Tensor] = ()):
         super().__init__()
         self.what = what
+        # Under a profiler, like gloo's works: an async "redsock:<op>" event with the input
+        # shapes, from the call until the operation completes (on another thread).
+        self._record = (torch.autograd._record_function_with_args_enter(f"redsock:{what}", *inputs)
+                        if torch._C._autograd._profiler_enabled() else None)
+        self._caller = threading.get_ident()
         # A future that holds CUDA tensors must name their devices (torch checks on completion).
         self._private = torch.futures.Future(devices=list(devices)) if devices else torch.futures.Future()
         self._future = self._private.then(_unwrap)
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._keep: Any = None  # buffers that must outlive the operation (staged copies, temporaries)
+        self.senders: list[int] = []  # a receive's source rank, known once it completes
 
     # -- dist.Work API ------------------------------------------------------------
 
@@ -74,6 +80,15 @@ class RedsockWork(dist.Work):
         value = self._future.value()
         return list(value) if isinstance(value, (list, tuple)) else [value]
 
+    def source_rank(self) -> int:
+        """The rank a receive came from (``dist.recv`` without ``src`` returns it)."""
+        self.wait()
+        if not self.senders:
+            raise ConfigError(f"redsock {self.what}: source_rank() is defined for receives only")
+        return self.senders[0]
+
+    _source_rank = source_rank
+
     def is_completed(self) -> bool:
         return self._done.is_set()
 
@@ -90,15 +105,30 @@ class RedsockWork(dist.Work):
     # -- completion (called from the communicator's threads) -----------------------
 
     def _set_result(self, value: Any) -> None:
+        self._end_record()
         self._keep = None
         self._private.set_result(value)
         self._done.set()
 
     def _set_error(self, error: BaseException) -> None:
+        self._end_record()
         self._keep = None
         self._error = error
         self._private.set_result(_Failed(error))
         self._done.set()
+
+    def _end_record(self) -> None:
+        record, self._record = self._record, None
+        if record is None:
+            return
+        if threading.get_ident() != self._caller:
+            torch.autograd._record_function_with_args_exit(record)
+            return
+        # Done before the caller had tracked it, so completed on the caller's thread: end the
+        # event from another thread, as every other operation's (profiling only, and rare).
+        ender = threading.Thread(target=torch.autograd._record_function_with_args_exit, args=(record,))
+        ender.start()
+        ender.join()
 
 
 class Tracker:

@@ -11,6 +11,9 @@
   straight into the destination buffer at its offset.
 * Messages are matched by ``(tag, seq)``; a message that arrives before its
   receive is posted is kept in an "unexpected" buffer and copied once.
+* A receive from whichever of several peers sends first (:func:`irecv_any`)
+  claims the first connection whose next message with the tag has begun to
+  arrive, so per-peer order still holds.
 * Any failure aborts the whole connection: every pending operation, on both
   sides, fails with a :class:`~redsock.errors.TransportError` naming the peer
   and the operation, and every thread wakes up and exits.
@@ -26,7 +29,8 @@ import socket
 import threading
 import time
 from collections import defaultdict, deque
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -46,6 +50,40 @@ CTRL_STAGE_BYTES = 4096  # one control-stream read brings a whole small record, 
 # are at most 4 MiB by default).  4 ranks on loopback, 64 MiB ring all-reduce, against waking
 # per arriving segment: 101-107 -> 92-98 ms, CPU 187-200 -> 173-185 ms per call over all ranks.
 RCVLOWAT_MAX = 4 * 1024 * 1024
+# How often a receive from any peer looks again at messages arriving on data streams (the
+# control streams, which carry small messages, wake it at once).
+ANY_SOURCE_POLL_S = 0.001
+
+K = TypeVar("K")
+
+
+def irecv_any(connections: Callable[[], Mapping[K, "Connection"]], buf: Any, tag: int, check: int = 0, *,
+              timeout: float) -> tuple[K, Handle]:
+    """Receive the next message with ``tag`` from whichever connection's begins to arrive first.
+
+    ``connections`` is asked again on every pass (peers may connect while this waits).
+    Returns the connection's key and the posted :class:`Handle` (wait on it for the rest of
+    the message).  Raises :class:`Timeout` if no message began to arrive within ``timeout``
+    seconds (nothing is posted then, so the connections stay usable), or a failed
+    connection's :class:`TransportError`."""
+    deadline = time.monotonic() + timeout
+    turn = 0
+    while True:
+        conns = list(connections().items())
+        for i in range(len(conns)):  # start one further each pass, so no peer starves the others
+            key, conn = conns[(turn + i) % len(conns)]
+            h = conn.irecv_arrived(buf, tag, check)
+            if h is not None:
+                return key, h
+        turn += 1
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Timeout(f"recv from any of {len(conns)} connected peers (tag {tag}): timeout (nothing arrived "
+                          f"for {timeout:g}s)", op="recv")
+        poller = select.poll()
+        for _, conn in conns:
+            poller.register(conn._ctrl.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+        poller.poll(int(min(left, ANY_SOURCE_POLL_S) * 1000) + 1)
 
 
 def as_bytes(buf: Any, *, writable: bool) -> memoryview:
@@ -225,11 +263,16 @@ class Connection:
 
     def irecv(self, buf: Any, tag: int = 0, check: int = 0) -> Handle:
         """Start receiving the next message with ``tag`` into ``buf`` (sizes and ``check`` must match)."""
+        return cast(Handle, self._irecv(buf, tag, check, only_arrived=False))  # always posts
+
+    def _irecv(self, buf: Any, tag: int, check: int, only_arrived: bool) -> Handle | None:
         view = as_bytes(buf, writable=True)
         copy_from = None
         with self._lock:
             self._check_open("recv")
             seq = self._rx_seq[tag]
+            if only_arrived and (tag, seq) not in self._unexpected:
+                return None
             self._rx_seq[tag] = seq + 1
             key = (tag, seq)
             h = Handle(self, "recv", tag, seq, view, inline=view.nbytes <= self.inline_bytes, check=check)
@@ -254,6 +297,20 @@ class Connection:
         h.got = h.nbytes
         h._complete()
         return h
+
+    def irecv_arrived(self, buf: Any, tag: int = 0, check: int = 0) -> Handle | None:
+        """:meth:`irecv`, but only if the next message with ``tag`` has begun to arrive
+        (else None, and nothing is posted).  Reads what the control stream holds first,
+        without blocking; checking and posting are one step, so no other receive can
+        claim the message in between."""
+        if self._ctrl_rx_lock.acquire(blocking=False):  # else another waiter is reading it
+            try:
+                self._pump_ctrl()
+            except (OSError, EOFError, RedsockError) as e:
+                self._io_failed(e, "recv")
+            finally:
+                self._ctrl_rx_lock.release()
+        return self._irecv(buf, tag, check, only_arrived=True)
 
     def send(self, buf: Any, tag: int = 0, timeout: float | None = None, check: int = 0) -> None:
         self.isend(buf, tag, check).wait(timeout)
@@ -396,8 +453,8 @@ class Connection:
             self._wait_once(h, limit)
             limit *= 2
         if not h._done:
-            err = Timeout(f"{h.op} of {h.nbytes} bytes (tag {h.tag}) with {self.peer}: no progress "
-                          f"for {limit:g}s (REDSOCK_TIMEOUT_S)", peer=self.peer, op=h.op)
+            err = Timeout(f"{h.op} of {h.nbytes} bytes (tag {h.tag}) with {self.peer}: timeout (no progress "
+                          f"for {limit:g}s, REDSOCK_TIMEOUT_S)", peer=self.peer, op=h.op)
             self._abort(err)
             h._fail(err)
 

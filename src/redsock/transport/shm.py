@@ -52,7 +52,8 @@ _NOTE_MAX = HEADER_BYTES - _NOTE_OFFSET
 #: Longest futex sleep before a waiter looks at its peers' pidfds again.
 DEATH_CHECK_S = 0.05
 
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+# x86-64 only: the counters rely on its total store order (data stores land before the counter's).
+_SYS_FUTEX = {"x86_64": 202}.get(platform.machine())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE: the words are shared between processes
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -73,7 +74,7 @@ def _futex_wake(addr: int) -> None:
 
 
 def available() -> bool:
-    """Whether this system can run the transport (Linux, x86-64 or arm64, pidfds, /dev/shm)."""
+    """Whether this system can run the transport (Linux on x86-64, pidfds, /dev/shm)."""
     return _SYS_FUTEX is not None and hasattr(os, "pidfd_open") and os.path.isdir(ARENA_DIR)
 
 

@@ -10,6 +10,10 @@ All-reduce, piece by piece through the shared arena:
    final shard into its region;
 3. every local rank copies the final shards out.
 
+Between hosts the pieces are pipelined: every piece's shard starts its inter-host all-reduce
+as soon as it is reduced, and the copies out wait for them in a second pass
+(:meth:`Hierarchy._all_reduce_pipelined`).
+
 Each host NIC thus carries one copy of the buffer whatever the number of ranks per host, and
 a single-host job never touches TCP.  Every shard is finished once, by one rank, so all ranks
 end with the same bits.  ``shards`` is the number of ranks of the smallest host, so hosts of
@@ -106,6 +110,9 @@ class Hierarchy:
     # -- collectives ----------------------------------------------------------------------
 
     def all_reduce(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
+        if self.nhosts > 1 and x.nbytes > WHOLE_MAX_BYTES:  # (every local rank decides alike)
+            self._all_reduce_pipelined(ctx, x, op)
+            return
         g, xf = self.local, flat(x)
         me, dt = g.me, x.dtype
         whole = x.nbytes <= WHOLE_MAX_BYTES
@@ -124,17 +131,55 @@ class Hierarchy:
             bounds = partition(n, shards)
             if me < shards:
                 a, b = bounds[me]
-                acc = _reduce(views, a, b, op, ctx)
-                if self.inter is not None:
-                    self._inter_all_reduce(acc, op)
+                acc = _reduce(views, a, b, op, ctx.scratch(b - a, ops.accum_dtype(dt)))
+                if self.inter is not None:  # a small buffer: its single shard, from this thread
+                    self._inter_all_reduce(acc, op, async_op=False)
                 ops.finalize(acc, op, self.world, views[me][a:b])
             g.sync(None, SPIN_SMALL_US if whole else None)
             for j, (a, b) in enumerate(bounds):
                 xf[lo + a:lo + b] = views[j][a:b]
 
-    def _inter_all_reduce(self, acc: np.ndarray, op: ops.ReduceOp) -> None:
-        # The partial sums cross hosts unrounded (fp32 for 16-bit types); avg divides once, at the end.
-        self.inter.all_reduce(acc, ops.ReduceOp.SUM if op is ops.ReduceOp.AVG else op)
+    def _all_reduce_pipelined(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
+        """Between hosts, in two passes over the arena so that the network never waits for
+        a whole intra-host stage: pass 1 reduces piece after piece inside the host and starts
+        each shard's inter-host all-reduce at once (asynchronously: piece i crosses the
+        network while piece i+1 is reduced, and the reducers' client overlaps one call's
+        results with the next one's uploads); pass 2 waits for each piece's shard and copies
+        the finished shards out.  One sync per piece and pass suffices: a piece's half of the
+        arena is written again two pieces later, after a sync every reader has passed."""
+        g, xf = self.local, flat(x)
+        me, dt, shards = g.me, x.dtype, self.topology.shards
+        pieces = chunks(0, xf.size, max(1, g.region_bytes // dt.itemsize))
+        owned = [partition(hi - lo, shards)[me] if me < shards else (0, 0) for lo, hi in pieces]
+        accs, works = [], []
+        if me < shards:  # one buffer for every piece's shard: each is in flight until pass 2
+            whole = ctx.scratch(sum(b - a for a, b in owned), ops.accum_dtype(dt))
+            offsets = np.cumsum([0] + [b - a for a, b in owned])
+        sig = _signature(ctx)
+        for i, (lo, hi) in enumerate(pieces):
+            views = g.rows(g.next_half(), dt, hi - lo)
+            views[me] = xf[lo:hi]
+            g.sync(sig)
+            sig = None
+            if me < shards:
+                a, b = owned[i]
+                acc = _reduce(views, a, b, op, whole[offsets[i]:offsets[i + 1]])
+                accs.append(acc)
+                works.append(self._inter_all_reduce(acc, op, async_op=True))
+        for i, (lo, hi) in enumerate(pieces):
+            views = g.rows(g.next_half(), dt, hi - lo)
+            if me < shards:
+                a, b = owned[i]
+                works[i].wait()  # (the inter-host call's own deadlines bound this wait)
+                ops.finalize(accs[i], op, self.world, views[me][a:b])
+            g.sync(None)
+            for j, (a, b) in enumerate(partition(hi - lo, shards)):
+                xf[lo + a:lo + b] = views[j][a:b]
+
+    def _inter_all_reduce(self, acc: np.ndarray, op: ops.ReduceOp, async_op: bool) -> Any:
+        """All-reduce ``acc`` with the inter-host group (its Work when ``async_op``).  The
+        partial sums cross hosts unrounded (fp32 for 16-bit types); avg divides once, at the end."""
+        return self.inter.all_reduce(acc, ops.ReduceOp.SUM if op is ops.ReduceOp.AVG else op, async_op=async_op)
 
     def broadcast(self, ctx: CallContext, x: np.ndarray, root: int) -> None:
         g, xf = self.local, flat(x)
@@ -218,11 +263,10 @@ def _signature(ctx: CallContext) -> int:
     return ((ctx.seq + 1) << 16) | ctx.check
 
 
-def _reduce(views: np.ndarray, a: int, b: int, op: ops.ReduceOp, ctx: CallContext) -> np.ndarray:
-    """Elements [a, b) of every row combined in row order, in the accumulation dtype (the
-    kernels of :mod:`redsock.ops`: blocked 16-bit widening pays off at these sizes)."""
-    first = views[0][a:b]
-    acc = ops.init_acc(first, ctx.scratch(b - a, ops.accum_dtype(first.dtype)))
+def _reduce(views: np.ndarray, a: int, b: int, op: ops.ReduceOp, out: np.ndarray) -> np.ndarray:
+    """Elements [a, b) of every row combined in row order into ``out`` (the accumulation
+    dtype; the kernels of :mod:`redsock.ops`: blocked 16-bit widening pays off at these sizes)."""
+    acc = ops.init_acc(views[0][a:b], out)
     for v in views[1:]:
         ops.combine(acc, v[a:b], op)
     return acc

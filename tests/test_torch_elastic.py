@@ -81,7 +81,7 @@ def test_elastic_restart_resumes_from_checkpoint_on_ring(tmp_path):
 def test_elastic_restart_through_reducers_frees_the_old_generations_job(tmp_path):
     proc, address = start_reducer()
     try:
-        _, recovery = run_elastic(tmp_path, {"REDSOCK_SERVERS": address})
+        _, recovery = run_elastic(tmp_path, {"REDSOCK_SERVERS": address, "REDSOCK_SHM": "off"})  # one host: shared memory would bypass the reducers
         print(f"reducers: recovery (kill -> first step of generation 1) {recovery:.2f}s")
         # The reducer saw one job per generation; the first was freed when its worker died
         # (aborted, or left once its last connection closed), the second left at the end.

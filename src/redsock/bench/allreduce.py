@@ -208,11 +208,7 @@ def route(comm, nbytes: int, algo: str) -> dict[str, str]:
     chosen = comm.choose_algorithm(nbytes, None if algo == "auto" else algo)
     if chosen != "hier":
         return {"scheme": "flat", "inter": chosen}
-    hier = comm.hier
-    if hier.inter is None:  # one host, or a local rank that owns no shard
-        return {"scheme": "hierarchical", "inter": "none"}
-    shard = min(nbytes, hier.local.region_bytes) // hier.topology.shards
-    return {"scheme": "hierarchical", "inter": hier.inter.choose_algorithm(shard, None)}
+    return {"scheme": "hierarchical", "inter": comm.hier.inter_algorithm(nbytes)}
 
 
 def _check(fn, count: int, dtype: np.dtype, op: ops.ReduceOp, rank: int, world: int, comm) -> int:

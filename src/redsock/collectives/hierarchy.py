@@ -107,6 +107,13 @@ class Hierarchy:
                 self._next = ticket + 1
                 self._turn.notify_all()
 
+    def inter_algorithm(self, nbytes: int) -> str:
+        """The algorithm this rank's inter-host group picks for one shard of an ``nbytes``
+        all-reduce ("none" when it crosses no host link: one host, or no shard owned)."""
+        if self.inter is None:
+            return "none"
+        return self.inter.choose_algorithm(min(nbytes, self.local.region_bytes) // self.topology.shards, None)
+
     # -- collectives ----------------------------------------------------------------------
 
     def all_reduce(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:

@@ -38,7 +38,7 @@ import numpy as np
 from .. import wire
 from ..config import Config
 from ..errors import ProtocolError, RedsockError, TransportError
-from ..transport.sockets import advance_parts, shutdown_quietly, translate_oserror
+from ..transport.sockets import advance_parts, read_available, shutdown_quietly, translate_oserror
 from .aggregate import BufferPool
 
 log = logging.getLogger("redsock.server")
@@ -172,7 +172,7 @@ class Link:
                     stage[:hi - lo] = stage[lo:hi]
                     self._lo, self._hi = 0, hi - lo
                 room = STAGE_BYTES - self._hi
-                n = _recv(sock, sview[self._hi:])
+                n = read_available(sock, sview[self._hi:])
                 if n is None:
                     return
                 self._hi += n
@@ -187,7 +187,7 @@ class Link:
             else:
                 if drained:
                     return
-                n = _recv(sock, target[self._cgot:])
+                n = read_available(sock, target[self._cgot:])
                 if n is None:
                     return
                 drained = n < want
@@ -252,7 +252,7 @@ class Link:
         while True:
             target = st.target
             if target is None:
-                n = _recv(sock, st.hview[st.hgot:])
+                n = read_available(sock, st.hview[st.hgot:])
                 if n is None:
                     return
                 st.hgot += n
@@ -273,7 +273,7 @@ class Link:
                 st.msg, st.key, st.tgot = msg, key, 0
                 st.target = memoryview(msg.buf).cast("B")[rec.offset:rec.offset + rec.length]
                 continue
-            n = _recv(sock, target[st.tgot:]) or 0
+            n = read_available(sock, target[st.tgot:]) or 0
             st.tgot += n
             left = len(target) - st.tgot
             if left:  # the socket is empty: wake this loop once the rest is there, not per segment
@@ -448,17 +448,6 @@ class Link:
 
     def _sockets(self) -> list[socket.socket]:
         return [self.ctrl, *(st.sock for st in self.streams)]
-
-
-def _recv(sock: socket.socket, view: memoryview) -> int | None:
-    """What ``sock`` has, up to ``len(view)`` bytes, without blocking: None if nothing yet."""
-    try:
-        n = sock.recv_into(view, len(view), socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return None
-    if n == 0:
-        raise EOFError("peer closed the connection")
-    return n
 
 
 class Loop:

@@ -8,25 +8,22 @@ from pathlib import Path
 
 import pytest
 
+from redsock.bench.procs import start_logged, wait_logged
+
 WORKER = Path(__file__).parent / "collective_worker.py"
 
 
 def run_world(scenario, world, timeout=240, env=None):
-    """Run `scenario` on `world` ranks; returns each rank's stdout. Relays failures."""
+    """Run `scenario` on `world` ranks; returns (returncode, stdout, stderr) per rank."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=60),
                      wait_for_workers=False)
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(r), str(world), str(store.port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**__import__("os").environ, **(env or {})})
+    procs = [start_logged([sys.executable, str(WORKER), scenario, str(r), str(world), str(store.port)],
+                          env={**__import__("os").environ, **(env or {})})
              for r in range(world)]
-    outs = []
-    deadline = time.monotonic() + timeout
     try:
-        for r, p in enumerate(procs):
-            out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
-            outs.append((p.returncode, out, err))
+        outs = wait_logged(procs, timeout)
     finally:
         for p in procs:
             p.kill()

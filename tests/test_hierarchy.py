@@ -4,14 +4,15 @@ Six ranks on three hosts of 3, 1 and 2 ranks, not consecutive: shared memory ins
 host, one shard per local rank between hosts (here one shard: the smallest host has one rank).
 """
 
+import functools
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from redsock.bench.procs import start_logged, wait_logged
 from redsock.testbed import Testbed, list_prefix_netns
 from test_collectives import digests
 
@@ -35,17 +36,10 @@ def run_hosts(scenario: str, env: dict | None = None, timeout: float = 300, serv
                                      "--port", "7700"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                         for s in tb.server_names]
             common["REDSOCK_SERVERS"] = ",".join(f"{tb.host_addr(s)}:7700" for s in tb.server_names)
-        procs = [tb.popen(PLACEMENT[r], [sys.executable, str(WORKER), scenario, str(r), str(world), str(STORE_PORT)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=common)
+        procs = [start_logged([sys.executable, str(WORKER), scenario, str(r), str(world), str(STORE_PORT)],
+                              functools.partial(tb.popen, PLACEMENT[r]), env=common)
                  for r in range(world)]
-        outs, deadline = [], time.monotonic() + timeout
-        for p in procs:
-            try:
-                out, err = p.communicate(timeout=max(1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, err = p.communicate()
-            outs.append((p.returncode, out, err))
+        outs = wait_logged(procs, timeout)
         if servers:
             for s in reducers:
                 s.terminate()

@@ -13,7 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from redsock.bench.procs import stop_processes
+from redsock.bench.procs import start_logged, stop_processes, wait_logged
 from test_server import start_reducer
 
 torch = pytest.importorskip("torch")
@@ -41,21 +41,10 @@ def launch(argv: list[str], world: int, env: dict[str, str] | None = None,
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
             "WORLD_SIZE": str(world), "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": "0", "OMP_NUM_THREADS": "1", **(env or {})}
-    procs = [subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+    procs = [start_logged([sys.executable, *argv], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in range(world)]
-    outs = []
-    deadline = time.monotonic() + timeout
     try:
-        for p in procs:
-            try:
-                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                out, err = p.communicate()
-                err += f"\n[killed after {timeout:g}s]"
-            outs.append((p.returncode, out, err))
+        outs = wait_logged(procs, timeout)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -1,10 +1,13 @@
-"""Stopping the child processes a benchmark or test started: politely, then for sure."""
+"""The child processes a benchmark or test starts: their output, and stopping them."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
-from collections.abc import Iterable
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 
 def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 10.0) -> None:
@@ -19,3 +22,47 @@ def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 10.0) -> 
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def start_logged(argv: Sequence[str], popen: Callable[..., subprocess.Popen] = subprocess.Popen,
+                 **kwargs: Any) -> subprocess.Popen:
+    """``popen(argv, **kwargs)`` with stdout and stderr going to unlinked temporary files, not
+    pipes: a child that writes a lot must never block on a pipe that nobody reads yet (the
+    parent may be waiting for another child, which waits for this one).  Read them with
+    :func:`wait_logged`."""
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    try:
+        proc = popen(argv, stdout=out, stderr=err, text=True, **kwargs)
+    except BaseException:
+        out.close()
+        err.close()
+        raise
+    proc.logs = (out, err)
+    return proc
+
+
+def wait_logged(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[tuple[int, str, str]]:
+    """Wait for processes started by :func:`start_logged` until one shared deadline, then kill
+    the ones still running (their stderr ends with a note saying so).  Returns (returncode,
+    stdout, stderr) per process."""
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            break
+    killed = [p for p in procs if p.poll() is None]
+    for p in killed:
+        p.kill()
+        p.wait()
+    outs = []
+    for p in procs:
+        texts = []
+        for f in p.logs:
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+        if p in killed:
+            texts[1] += f"\n[killed: still running after {timeout_s:g}s]"
+        outs.append((p.returncode, texts[0], texts[1]))
+    return outs

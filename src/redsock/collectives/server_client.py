@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import NoReturn
 
@@ -34,6 +35,9 @@ from . import ring, small
 from .context import CallContext, Finish, flat
 
 log = logging.getLogger("redsock.collectives")
+
+#: While the reducers are unusable and calls fall back to ring, warn at most this often.
+FALLBACK_WARNING_S = 10.0
 
 
 class ServerGroup:
@@ -50,6 +54,21 @@ class ServerGroup:
         # ones still finishing): a worker may send a piece once the result WINDOW pieces back is in.
         self.in_flight: list[deque[Handle]] = [deque() for _ in self.addresses]
         self._lock = threading.Lock()
+        self._fallbacks_unreported = 0  # ring fallbacks since the last warning
+        self._last_warning = -float("inf")
+
+    def warn_fallback(self, seq: int, reason: object) -> None:
+        """Warn that call ``seq`` is finished by ring: the first time, then at most once per
+        FALLBACK_WARNING_S with the count since (a reducer down for a minute must not write a
+        line per call)."""
+        self._fallbacks_unreported += 1
+        now = time.monotonic()
+        if now - self._last_warning < FALLBACK_WARNING_S:
+            return
+        more = f" ({self._fallbacks_unreported} calls since the last warning)" if self._fallbacks_unreported > 1 else ""
+        log.warning("all-reduce #%d: %s; finishing it by ring all-reduce (REDSOCK_SERVER_FALLBACK=ring)%s",
+                    seq, reason, more)
+        self._fallbacks_unreported, self._last_warning = 0, now
 
     def conn(self, i: int) -> Connection:
         with self._lock:
@@ -107,8 +126,7 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Finish | No
     small.all_reduce(ctx, ok, ops.ReduceOp.MIN)
     if ok[0]:
         return None
-    log.warning("all-reduce #%d: %s; finishing it by ring all-reduce (REDSOCK_SERVER_FALLBACK=ring)",
-                ctx.seq, failure or "a reduction server failed on another rank")
+    group.warn_fallback(ctx.seq, failure or "a reduction server failed on another rank")
     flat(x)[:] = saved
     ring.all_reduce(ctx, x, op)
     return None

@@ -12,9 +12,10 @@ import time
 import pytest
 
 from redsock.bench.procs import stop_processes
-from redsock.collectives.server_client import piece_elements
+from redsock.collectives.server_client import FALLBACK_WARNING_S, piece_elements
 from redsock.config import Config
 from redsock.server import ReductionServer
+from redsock.transport import connect
 from test_collectives import digests, run_world
 
 
@@ -212,5 +213,109 @@ def test_fallback_to_ring_when_a_reducer_dies_and_reuse_after_restart(reducers, 
     for r, (code, out, err) in enumerate(outs):
         assert code == 0 and "done" in out, f"rank {r}:\n{err[-3000:]}"
         assert "finishing it by ring" in err, f"rank {r} never fell back to ring:\n{err[-3000:]}"  # warned, went on
+        # ... once, then at most every FALLBACK_WARNING_S, however many calls fell back
+        assert err.count("finishing it by ring") <= 1 + float(env["TEST_SECONDS"]) / FALLBACK_WARNING_S, err[-3000:]
     assert not problems and restarted, f"the reducer was not restarted: {problems}"
     assert "joined" in logs[0], logs  # the workers came back to the restarted reducer
+
+
+def _stop_within(proc, limit_s: float) -> tuple[int | None, float]:
+    """SIGTERM ``proc``; its exit status and how long it took (None: still running after 10 s)."""
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=max(10.0, limit_s))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = None
+    return code, time.monotonic() - t0
+
+
+def test_sigterm_mid_job_makes_workers_raise_peer_failure(reducers):
+    (proc,), servers = reducers(1)
+    outs = {}
+    world = threading.Thread(target=lambda: outs.setdefault("ranks", run_world(
+        "server_loop", 2, timeout=90, env={"REDSOCK_SERVERS": servers, "TEST_TIMEOUT_S": "10"})))
+    world.start()
+    _wait_until(lambda: "joined" in _log_text(proc), 60, every_s=0.01)
+    code, took = _stop_within(proc, 2.0)
+    world.join(90)
+    assert code == 0 and took <= 2.0, (code, took, _log_text(proc)[-3000:])
+    for r, (rc, out, err) in enumerate(outs["ranks"]):
+        assert rc == 0, f"rank {r}:\n{err[-3000:]}"
+        assert "raised PeerFailure" in out and "reduction server" in out, out
+    # A rank that was in a call heard why; one that came later found the reducer gone.
+    assert any("shutting down" in out for _, out, _ in outs["ranks"]), outs["ranks"]
+
+
+def test_sigterm_stops_a_reducer_serving_a_running_job_within_2s_50_times(tmp_path):
+    """A reducer must exit 0 within 2 s of SIGTERM whatever it is doing (the handler must not
+    deadlock the main thread); its workers go on by ring.  Two reducers take turns being
+    restarted and stopped, 25 times each, while a 2-rank job loops all-reduces through them
+    and a busy loop per core loads the machine."""
+    tries = int(os.environ.get("TEST_TRIES", "25"))
+    stop_file = tmp_path / "stop"
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    first = [start_reducer() for _ in range(2)]
+    ports = [a.rsplit(":", 1)[1] for _, a in first]
+    env = {"REDSOCK_SERVERS": ",".join(a for _, a in first), "REDSOCK_SERVER_FALLBACK": "ring",
+           "TEST_TIMEOUT_S": "10", "TEST_SECONDS": "600", "TEST_STOP_FILE": str(stop_file),
+           "REDSOCK_PIECE_BYTES": "256K"}
+    stops: list[tuple[int | None, float]] = []
+    problems: list[str] = []
+
+    def lane(k: int) -> None:
+        proc = first[k][0]
+        try:
+            for i in range(tries):
+                if i:
+                    proc = start_reducer(port=ports[k])[0]
+                _wait_until(lambda: "joined" in _log_text(proc), 60, every_s=0.01)  # serving the job
+                if "joined" not in _log_text(proc):
+                    problems.append(f"reducer {k} try {i}: the job never came back to it")
+                stops.append(_stop_within(proc, 2.0))
+        except Exception as e:  # reported by the assertions below, not lost in this thread
+            problems.append(repr(e))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    outs = {}
+    world = threading.Thread(target=lambda: outs.setdefault("ranks", run_world("server_fallback", 2, timeout=400,
+                                                                                  env=env)))
+    world.start()
+    try:
+        _wait_until(lambda: (tmp_path / "stop.looping").exists(), 120)
+        lanes = [threading.Thread(target=lane, args=(k,)) for k in range(2)]
+        for t in lanes:
+            t.start()
+        for t in lanes:
+            t.join(300)
+    finally:
+        stop_file.touch()
+        world.join(120)
+        stop_processes(burners)
+    assert not problems, (problems, [err[-2000:] for _, _, err in outs.get("ranks", [])])
+    assert len(stops) == 2 * tries
+    print(f"{len(stops)} SIGTERMs: exit codes {sorted({c for c, _ in stops}, key=str)}, slowest stop "
+          f"{max(t for _, t in stops):.2f} s, median {sorted(t for _, t in stops)[len(stops) // 2]:.2f} s")
+    slow = [(code, round(took, 2)) for code, took in stops if code != 0 or took > 2.0]
+    assert not slow, f"{len(slow)} of {len(stops)} stops were not a clean exit within 2 s: {slow}"
+    for r, (code, out, err) in enumerate(outs["ranks"]):
+        assert code == 0 and "done" in out, f"rank {r}:\n{err[-3000:]}"
+        assert "finishing it by ring" in err, f"rank {r} never fell back to ring:\n{err[-3000:]}"
+
+
+def test_every_message_in_slices_when_inline_is_off(reducers):
+    # Announces, pieces and results all travel as slices on the data streams, in any order.
+    _, servers = reducers(2, env={"REDSOCK_INLINE_BYTES": "0"})
+    ok(run_world("server_async", 2, env={"REDSOCK_SERVERS": servers, "REDSOCK_INLINE_BYTES": "0",
+                                         "REDSOCK_PIECE_BYTES": "64K", "TEST_REPS": "2"}))
+
+
+def test_reducer_answers_liveness_probes():
+    with ReductionServer("127.0.0.1", 0, config=Config(timeout_s=10)) as server:
+        with connect(server.address, config=Config(timeout_s=10), name="prober") as c:
+            assert c.probe(5.0)

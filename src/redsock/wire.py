@@ -274,7 +274,9 @@ def decode_slice(data: bytes | memoryview, max_message: int) -> SliceRecord:
 # A worker opens one Fast Socket connection to each reduction server.  Per
 # all-reduce it sends, on tag ANNOUNCE_TAG, one Announce describing the call;
 # then each of its pieces for that server on tag piece_tag(op_seq, piece); the
-# server answers each piece with the reduced piece on the same tag.
+# server answers each piece with the reduced piece on the same tag.  When the
+# call has exactly one piece for a server and it fits inline, its bytes follow
+# the Announce in the same message (a small all-reduce is one record each way).
 
 ANNOUNCE_TAG = 1
 PIECE_BITS = 24

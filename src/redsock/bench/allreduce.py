@@ -129,10 +129,12 @@ def _as_tensor(x: np.ndarray):
     return torch.from_numpy(x)
 
 
-def _time_algo(fn, x: np.ndarray, warmup: int, iters: int, comm) -> list[float]:
+def _time_algo(fn, x: np.ndarray, warmup: int, iters: int, comm, back_to_back: bool = False) -> list[float]:
     for _ in range(warmup):
         fn(x)
     comm.barrier()
+    if back_to_back:
+        return _time_back_to_back(fn, x, iters, comm)
     times = np.empty(iters)
     for i in range(iters):
         t0 = time.perf_counter()
@@ -140,6 +142,24 @@ def _time_algo(fn, x: np.ndarray, warmup: int, iters: int, comm) -> list[float]:
         times[i] = time.perf_counter() - t0
     comm.all_reduce(times, "max", algorithm="small" if times.nbytes <= 65536 else "ring")  # the slowest rank counts
     return times.tolist()
+
+
+B2B_ROUNDS = 3
+
+
+def _time_back_to_back(fn, x: np.ndarray, iters: int, comm) -> list[float]:
+    """Time per call of ``iters`` back-to-back calls (the slowest rank's total), once per
+    round after a barrier, as MPI benchmarks time latency: a rank that waits in one call
+    for a rank the scheduler paused is not counted twice over, as per-call maxima would."""
+    per_call = np.empty(B2B_ROUNDS)
+    for k in range(B2B_ROUNDS):
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn(x)
+        per_call[k] = (time.perf_counter() - t0) / iters
+    comm.all_reduce(per_call, "max", algorithm="small")
+    return per_call.tolist()
 
 
 def run_rank(args: argparse.Namespace) -> int:
@@ -173,7 +193,7 @@ def run_rank(args: argparse.Namespace) -> int:
                     fn = lambda x, algo=algo: comm.all_reduce(x, op, algorithm=None if algo == "auto" else algo)  # noqa: E731
                 x = timing_input(count, dtype, op, rank)
                 warm, iters = _iters_for(nbytes, args)
-                times = _time_algo(fn, x, warm, iters, comm)
+                times = _time_algo(fn, x, warm, iters, comm, args.back_to_back)
                 wrong = _check(fn, count, dtype, op, rank, world, comm) if args.check else -1
                 extra = route(comm, nbytes, algo) if algo != "gloo" else {"scheme": "flat", "inter": "ring"}
                 rows.append(report.Row.from_times("gloo" if algo == "gloo" else "redsock", algo, world, nbytes,
@@ -316,6 +336,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-w", "--warmup", type=int, default=5, help="warm-up iterations per size")
     p.add_argument("-d", "--dtype", default="float32", help="float32, float16, bfloat16, float64, int8, uint8, int32, int64")
     p.add_argument("-o", "--op", default="sum", help="sum, avg, min, max, prod")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="time per call = the slowest rank's total over -n back-to-back calls (median of "
+                        f"{B2B_ROUNDS} rounds), not the median of per-call maxima")
     p.add_argument("--algo", default="auto,gloo", help="comma-separated: auto, ring, small, server, hier, gloo")
     p.add_argument("-c", "--check", action="store_true", help="validate results (the #wrong column)")
     p.add_argument("--json", metavar="FILE", help="write one JSON object per row")

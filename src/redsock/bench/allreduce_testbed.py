@@ -206,6 +206,17 @@ def _link_line(before: dict[str, dict[str, int]], after: dict[str, dict[str, int
             + "; ".join(parts))
 
 
+def reducer_cpu_line(servers: list[Proc], before: dict[str, dict[str, int]],
+                     after: dict[str, dict[str, int]]) -> str:
+    """The reducers' CPU cost per byte they summed: CPU-seconds of every reducer over the run
+    per GiB that arrived on their links (tc's count, so frame headers included)."""
+    cpu = sum(s.info.get("cpu_s", 0.0) for s in servers)
+    gib = sum(after[s.name]["down_bytes"] - before.get(s.name, {}).get("down_bytes", 0)
+              for s in servers if s.name in after) / 2**30
+    per = f"{cpu / gib:.2f} CPU-s/GiB" if gib > 0 else "n/a"
+    return f"# reducers: {cpu:.2f} CPU-s for {gib:.3f} GiB received = {per} reduced"
+
+
 # -- the command -------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> int:
@@ -252,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
             why = wait_ranks(ranks, server_procs, deadline, args.timeout)
             wall = time.monotonic() - t0
             box1 = box_cpu()
-            links = _link_line(links0, link_counters(tb), wall)
+            links1 = link_counters(tb)
+            links = _link_line(links0, links1, wall)
             links += "\n# TCP over the run, all hosts: " + tcp_line(tcp_delta(tcp0, tcp_counters(tb)))
             for s in server_procs:  # read before they exit: the peak RSS dies with the process
                 s.info = proc_status(s.proc.pid)
@@ -263,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
             rc = _report(args, tb, ranks, server_procs, why, json_path, rate, servers, wall,
                          children0, box0, box1)
             print(links)
+            print(reducer_cpu_line(server_procs, links0, links1))
         finally:
             with _no_interrupts():
                 stop(ranks + server_procs)

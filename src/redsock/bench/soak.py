@@ -23,6 +23,7 @@ import numpy as np
 from .. import ops
 from ..errors import ConfigError
 from .allreduce import _progress, count_wrong, launch_local, make_input, reference
+from .testbed_launch import proc_status
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
 OPS = ["sum", "avg", "min", "max", "prod"]
@@ -46,6 +47,8 @@ def run_rank(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)  # the same draws on every rank
     wrong = mismatched = 0
     rss_first: list[int] = []
+    reduced = 0  # bytes the reducers received (every rank's contribution to every server call)
+    cpu_first = [proc_status(p)["cpu_s"] for p in reducers] if rank == 0 else []
     progress = _progress(rank == 0 and not args.no_progress, args.count)
     t0 = time.monotonic()
     try:
@@ -57,6 +60,7 @@ def run_rank(args: argparse.Namespace) -> int:
             count = max(1, nbytes // dt.itemsize)
             x = make_input(count, dt, op, rank, i)
             comm.all_reduce(x, op, algorithm=algo)
+            reduced += x.nbytes * world if algo == "server" else 0
             wrong += count_wrong(x, reference(count, dt, op, world, i))
             digest = np.array([zlib.crc32(x.tobytes()), -zlib.crc32(x.tobytes())], np.int64)
             comm.all_reduce(digest, "max", algorithm="small")
@@ -75,6 +79,10 @@ def run_rank(args: argparse.Namespace) -> int:
     print(f"soak: {args.count} all-reduces on {world} ranks ({', '.join(algos)}) in {elapsed:.0f} s: "
           f"{totals[0]} wrong elements, {totals[1]} calls not bitwise identical across ranks, 0 hangs")
     growth_ok = True
+    if reducers and reduced:
+        cpu = sum(proc_status(p)["cpu_s"] for p in reducers) - sum(cpu_first)
+        print(f"reducers: {cpu:.2f} CPU-s for {reduced / 2**30:.3f} GiB reduced = "
+              f"{cpu / (reduced / 2**30):.2f} CPU-s/GiB")
     if reducers and rss_first:
         rss_last = [rss_bytes(p) for p in reducers]
         for pid, a, b in zip(reducers, rss_first, rss_last):

@@ -6,6 +6,9 @@ announces the call to each server, then streams its pieces with at most
 ``WINDOW`` outstanding per server, while the reduced pieces stream back
 straight into the caller's array: pushing piece i+1 overlaps pulling piece i.
 Per worker that is S bytes out and S bytes in, whatever the number of workers.
+A small call runs in the caller's thread end to end: its only piece per server
+rides in the announce's inline record, and the caller reads the result off the
+control stream itself (the transport's inline path).
 
 The window is the connection's, not the call's: a call returns once its last
 piece is posted, with a ``finish`` that waits for its results, so the next call
@@ -144,6 +147,16 @@ def piece_elements(count: int, itemsize: int, nservers: int, piece_bytes: int) -
     return max(1, nbytes // itemsize)
 
 
+def _piece_nbytes(xf: np.ndarray, piece: int, p: int) -> int:
+    return (min(xf.size, (p + 1) * piece) - p * piece) * xf.itemsize
+
+
+def _take_credit(in_flight: deque[Handle], timeout_s: float) -> None:
+    """Wait until fewer than WINDOW pieces are in flight to a server (it posts WINDOW receives)."""
+    while len(in_flight) >= WINDOW:
+        in_flight.popleft().wait(timeout_s)
+
+
 def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: ops.ReduceOp) -> Finish:
     """Announce the call and post every piece (waiting only for window credits); the
     returned ``finish`` waits for the reduced pieces."""
@@ -169,23 +182,34 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
         conns = {}
         for server in used:
             conns[server] = group.conn(server)
-        for server in used:
-            ann = wire.Announce(group.job, ctx.seq, ops.dtype_code(x.dtype), op.code, ctx.world, ctx.rank, flags,
-                                xf.size, piece, nserv, server)
-            conns[server].isend(ann.encode(), wire.ANNOUNCE_TAG)
         # Results land straight in x; safe before our piece has gone, because a reduced piece
         # only comes back after the server has received every rank's contribution to it.
         for p in range(npieces):
             lo, hi = p * piece, min(xf.size, (p + 1) * piece)
             results.append(conns[p % nserv].irecv(xf[lo:hi], wire.piece_tag(ctx.seq, p)))
+        fused = set()
+        for server in used:
+            ann = wire.Announce(group.job, ctx.seq, ops.dtype_code(x.dtype), op.code, ctx.world, ctx.rank, flags,
+                                xf.size, piece, nserv, server)
+            record = ann.encode()
+            p = server
+            if p + nserv >= npieces and wire.ANNOUNCE_SIZE + _piece_nbytes(xf, piece, p) <= conns[server].inline_bytes:
+                # The call's only piece for this server fits inline: it travels in the announce's
+                # record (one write here, one record there: a small all-reduce is one round trip).
+                _take_credit(group.in_flight[server], ctx.timeout_s)
+                lo, hi = p * piece, min(xf.size, (p + 1) * piece)
+                record += xf[lo:hi].tobytes()
+                fused.add(p)
+                group.in_flight[server].append(results[p])
+            sends.append(conns[server].isend(record, wire.ANNOUNCE_TAG))
         for p in range(npieces):
+            if p in fused:
+                continue
             server = p % nserv
-            in_flight = group.in_flight[server]
-            while len(in_flight) >= WINDOW:  # credits: the server has posted WINDOW receives
-                in_flight.popleft().wait(ctx.timeout_s)
+            _take_credit(group.in_flight[server], ctx.timeout_s)
             lo, hi = p * piece, min(xf.size, (p + 1) * piece)
             sends.append(conns[server].isend(xf[lo:hi], wire.piece_tag(ctx.seq, p)))
-            in_flight.append(results[p])
+            group.in_flight[server].append(results[p])
     except TransportError as e:
         failed(e)
 

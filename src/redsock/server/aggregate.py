@@ -39,9 +39,12 @@ class BufferPool:
         return np.empty(size, np.uint8)[:nbytes]
 
     def give(self, buf: np.ndarray) -> None:
-        """Return a buffer (or any view of one) that came from :meth:`take`."""
+        """Return a buffer (or any view of one) that came from :meth:`take`; a view of
+        memory the pool does not own (a record's payload, read in place) is left alone."""
         while isinstance(buf.base, np.ndarray):
             buf = buf.base
+        if buf.base is not None:
+            return
         with self._lock:
             if self._kept + buf.nbytes <= self._keep:
                 self._free.setdefault(buf.nbytes, []).append(buf)
@@ -89,11 +92,13 @@ class Piece:
                 self.pool.give(contribution)
             if self.arrived < self.world:
                 return None
+            acc, self.acc = self.acc, None
+            assert acc is not None
+            if acc.dtype == self.dtype and self.op is not ops.ReduceOp.AVG:
+                return acc.view(np.uint8)  # already the result: finalize would copy it onto itself
             out_buf = self.pool.take(self.count * self.dtype.itemsize)
-            out = out_buf.view(self.dtype)
-            ops.finalize(self.acc, self.op, self.world, out)  # type: ignore[arg-type]
-            self.pool.give(self.acc)  # type: ignore[arg-type]
-            self.acc = None
+            ops.finalize(acc, self.op, self.world, out_buf.view(self.dtype))
+            self.pool.give(acc)
             return out_buf
 
     def _combine(self, x: np.ndarray) -> None:

@@ -1,24 +1,31 @@
 """``redsock serve``: the reduction server daemon.
 
-Workers connect over Fast Socket (one connection per worker); each connection
-is served by one thread that reads the worker's Announce, receives its pieces
-(a window of them posted ahead, straight into pooled buffers), adds each into
-the piece's accumulator and — when it brings the last of the N contributions —
-sends the reduced piece to every worker of the job from that same thread.
+Workers connect over Fast Socket (one connection per worker).  The connections
+are spread over a few event-loop threads (:mod:`.engine`); a loop reads a
+worker's Announce, receives its pieces straight into pooled buffers, adds each
+into the piece's accumulator and — when it brings the last of the N
+contributions — sends the reduced piece to every worker of the job from that
+same thread.
 
 State lives only as long as a round: a round that stalls past the timeout, or
 whose worker disconnects, is aborted (every worker of that job learns which
-ranks were missing) and its memory freed; other jobs carry on.
+ranks were missing) and its memory freed; other jobs carry on.  SIGTERM/SIGINT
+wake the main thread through ``signal.set_wakeup_fd`` (a handler that takes a
+lock can deadlock the thread it interrupted); the server then aborts what is in
+flight, closes every connection and returns.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
+import os
+import select
 import signal
+import socket
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,25 +33,35 @@ import numpy as np
 from .. import ops, wire
 from ..config import Config
 from ..errors import ProtocolError, RedsockError, TransportError
-from ..transport import Connection, Handle, Listener
+from ..transport import Listener
 from .aggregate import BufferPool, Piece, Round
+from .engine import Link, Loop, Outgoing
 
 log = logging.getLogger("redsock.server")
 
 WINDOW = 4  # pieces a worker may have outstanding per server (workers use the same number)
-IDLE_WAIT_S = 7 * 24 * 3600.0  # a worker between steps is idle, not stalled
+SHUTDOWN_REASON = "reduction server shutting down"
 
 
 @dataclass
 class Job:
     job: int
     world: int
-    conns: dict[int, Connection] = field(default_factory=dict)
-    sending: deque = field(default_factory=deque)  # (buffer, handles) of results still going out
+    links: dict[int, Link] = field(default_factory=dict)
+
+
+@dataclass
+class _Pending:
+    """One worker's part of one round: the pieces it still owes this server."""
+
+    round: Round
+    left: int
 
 
 class ReductionServer:
-    """One reducer.  ``start()`` returns at once; ``close()`` stops it (idempotent)."""
+    """One reducer.  Serves as soon as it is built; ``close()`` stops it (idempotent).
+
+    ``threads``: event-loop threads (default: the machine's cores)."""
 
     def __init__(self, host: str = "0.0.0.0", port: int = 0, *, config: Config | None = None,
                  threads: int | None = None, metrics_port: int | None = None):
@@ -54,11 +71,15 @@ class ReductionServer:
         self._lock = threading.Lock()
         self._jobs: dict[int, Job] = {}
         self._rounds: dict[tuple[int, int], Round] = {}
-        self._kernels = threading.BoundedSemaphore(threads) if threads else None
         self._closed = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._wake_r, self._wake_w = socket.socketpair()  # serve_forever's wake-up (signals, close)
+        self._wake_w.setblocking(False)
         self._metrics = _Metrics(metrics_port) if metrics_port else None
-        self.listener = Listener(host, port, config=self.config, on_connection=self._on_connection)
+        nloops = threads or os.cpu_count() or 1
+        self._loops = [Loop(f"redsock-loop{i}") for i in range(nloops)]
+        self._next_loop = itertools.cycle(self._loops)
+        self.listener = Listener(host, port, config=self.config, on_connection=self._adopt,
+                                 connection_factory=self._make_link)
         self.address = self.listener.address
         self._janitor = threading.Thread(target=self._reap_stalled, daemon=True, name="redsock-janitor")
         self._janitor.start()
@@ -66,30 +87,47 @@ class ReductionServer:
     # -- lifecycle ------------------------------------------------------------------
 
     def close(self) -> None:
+        """Abort the rounds in flight (workers get the reason), close every connection, stop."""
         if self._closed.is_set():
             return
         self._closed.set()
         self.listener.close()
-        with self._lock:
-            conns = [c for j in self._jobs.values() for c in j.conns.values()]
-        for c in conns:
-            c.close()
-        for t in list(self._threads):
-            t.join(timeout=5)
+        for loop in self._loops:
+            loop.stop(SHUTDOWN_REASON)
+        for loop in self._loops:
+            loop.thread.join(timeout=5)
         self._janitor.join(timeout=5)
+        with self._lock:
+            rounds = list(self._rounds.values())
+            self._rounds.clear()
+            self._jobs.clear()
+        for rnd in rounds:
+            for piece in rnd.pieces.values():
+                piece.release()
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
 
     def stop_on_signals(self) -> None:
-        """Make SIGTERM/SIGINT stop :meth:`serve_forever` cleanly (call before announcing readiness)."""
+        """Make SIGTERM/SIGINT stop :meth:`serve_forever` cleanly (call from the main thread,
+        before announcing readiness).  The C-level handler writes the signal's number to a
+        socket that serve_forever sleeps on; the Python-level one does nothing (no locks)."""
+        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self._closed.set())
+            signal.signal(sig, _ignore)
 
     def serve_forever(self) -> None:
         """Block until SIGTERM/SIGINT (see :meth:`stop_on_signals`) or :meth:`close`."""
-        log.info("reduction server listening on %s:%d", *self.address)
-        while not self._closed.wait(0.5):
-            pass
+        log.info("reduction server listening on %s:%d (%d loop threads)", *self.address, len(self._loops))
+        while not self._closed.is_set():
+            if select.select([self._wake_r], [], [])[0]:
+                try:
+                    self._wake_r.recv(64)
+                except BlockingIOError:
+                    pass
+                break
         log.info("shutting down")
-        self._closed.clear()
         self.close()
 
     def __enter__(self) -> "ReductionServer":
@@ -102,55 +140,75 @@ class ReductionServer:
         with self._lock:
             return {"jobs": len(self._jobs), "rounds": len(self._rounds)}
 
-    # -- one worker connection --------------------------------------------------------
+    # -- connections ------------------------------------------------------------------
 
-    def _on_connection(self, conn: Connection) -> None:
-        t = threading.Thread(target=self._serve, args=(conn,), daemon=True, name=f"redsock-serve-{conn.peer}")
-        self._threads.append(t)
-        t.start()
+    def _make_link(self, ctrl: socket.socket, data: list[socket.socket], *, peer: str, config: Config,
+                   inline_bytes: int) -> Link:
+        return Link(ctrl, data, peer=peer, config=config, inline_bytes=inline_bytes, pool=self.pool,
+                    handler=self)
 
-    def _serve(self, conn: Connection) -> None:
-        me: tuple[int, int] | None = None  # (job, rank), bound on the first announce
-        buf = bytearray(wire.ANNOUNCE_SIZE)
-        try:
-            while not self._closed.is_set():
-                conn.recv(buf, wire.ANNOUNCE_TAG, timeout=IDLE_WAIT_S)
-                ann = wire.decode_announce(bytes(buf), max_elements=self.config.max_message_bytes,
-                                           valid_dtype=ops.dtype_from_code, valid_op=ops.ReduceOp.from_code)
-                if me is None:
-                    me = (ann.job, ann.rank)
-                    self._join(conn, ann)
-                elif me != (ann.job, ann.rank):  # identity is bound to the (authenticated) connection
-                    raise ProtocolError(f"{conn.peer} is job {me[0]:#x} rank {me[1]} but announced "
-                                        f"job {ann.job:#x} rank {ann.rank}")
-                self._serve_round(conn, ann)
-        except (RedsockError, OSError) as e:
-            if me is not None:
-                self._worker_lost(me[0], me[1], conn, e)
-            elif not self._closed.is_set():
-                log.warning("dropped %s: %s", conn.peer, e)
-        finally:
-            conn.close()
-            self._threads = [t for t in self._threads if t is not threading.current_thread()]
+    def _adopt(self, link: Link) -> None:
+        next(self._next_loop).adopt(link)  # round-robin: a job's workers spread over the loops
 
-    def _join(self, conn: Connection, ann: wire.Announce) -> None:
+    # -- the handler interface (called on a link's loop thread) ------------------------
+
+    def on_announce(self, link: Link, payload: memoryview) -> None:
+        ann = wire.decode_announce(payload[:wire.ANNOUNCE_SIZE], max_elements=self.config.max_message_bytes,
+                                   valid_dtype=ops.dtype_from_code, valid_op=ops.ReduceOp.from_code)
+        if link.identity is None:
+            self._join(link, ann)
+            link.identity = (ann.job, ann.rank)
+        elif link.identity != (ann.job, ann.rank):  # identity is bound to the (authenticated) connection
+            raise ProtocolError(f"{link.peer} is job {link.identity[0]:#x} rank {link.identity[1]} but "
+                                f"announced job {ann.job:#x} rank {ann.rank}")
+        rnd = self._round(ann)
+        mine = ann.my_pieces()
+        entry = link.pending[ann.op_seq] = _Pending(rnd, len(mine))
+        if len(payload) > wire.ANNOUNCE_SIZE:  # the call's only piece here came along
+            if len(mine) != 1:
+                raise ProtocolError(f"{link.peer} sent a piece with announce #{ann.op_seq}, "
+                                    f"which has {len(mine)} pieces here")
+            # Summed where it lies: the record's buffer is this message's alone.
+            piece = np.frombuffer(payload, np.uint8, len(payload) - wire.ANNOUNCE_SIZE, wire.ANNOUNCE_SIZE)
+            self._contribute(link, ann.op_seq, entry, mine[0], piece)
+        if link.early:
+            for tag in [t for t in link.early if _op_seq(t) == ann.op_seq]:
+                self._contribute(link, ann.op_seq, entry, tag & wire.MAX_PIECES, link.early.pop(tag))
+
+    def on_piece(self, link: Link, tag: int, buf: np.ndarray) -> None:
+        op_seq = _op_seq(tag)
+        entry = link.pending.get(op_seq)
+        if entry is None:  # its announce is still on the way (another stream): keep it till then
+            if len(link.early) >= link.max_early:
+                self.pool.give(buf)
+                raise ProtocolError(f"{link.peer} sent more pieces ahead than its credits allow")
+            link.early[tag] = buf
+            return
+        self._contribute(link, op_seq, entry, tag & wire.MAX_PIECES, buf)
+
+    def on_progress(self, link: Link) -> None:
+        now = time.monotonic()
+        for entry in link.pending.values():
+            entry.round.last_progress = now
+
+    # -- rounds -----------------------------------------------------------------------
+
+    def _join(self, link: Link, ann: wire.Announce) -> None:
         with self._lock:
             job = self._jobs.get(ann.job)
             if job is None:
                 job = self._jobs[ann.job] = Job(ann.job, ann.world)
                 log.info("job %#x joined (world %d)", ann.job, ann.world)
             if job.world != ann.world:
-                raise ProtocolError(f"job {ann.job:#x} has world {job.world}, {conn.peer} says {ann.world}")
-            old = job.conns.get(ann.rank)
+                raise ProtocolError(f"job {ann.job:#x} has world {job.world}, {link.peer} says {ann.world}")
+            old = job.links.get(ann.rank)
             if old is not None and not old.closed:
                 raise ProtocolError(f"job {ann.job:#x} rank {ann.rank} is already connected")
-            job.conns[ann.rank] = conn
+            job.links[ann.rank] = link
         if self._metrics:
             self._metrics.jobs.set(len(self._jobs))
 
     def _round(self, ann: wire.Announce) -> Round:
-        dtype = ops.dtype_from_code(ann.dtype_code)
-        op = ops.ReduceOp.from_code(ann.op_code)
         signature = (ann.dtype_code, ann.op_code, ann.count, ann.piece_elems, ann.nservers, ann.flags)
         with self._lock:
             if ann.job not in self._jobs:
@@ -158,9 +216,13 @@ class ReductionServer:
             key = (ann.job, ann.op_seq)
             rnd = self._rounds.get(key)
             if rnd is None:
+                dtype = ops.dtype_from_code(ann.dtype_code)
+                op = ops.ReduceOp.from_code(ann.op_code)
                 ordered = bool(ann.flags & wire.FLAG_DETERMINISTIC)
-                pieces = {p: Piece(dtype, ann.piece_range(p)[1] - ann.piece_range(p)[0], ann.world, op, ordered,
-                                   self.pool) for p in ann.my_pieces()}
+                pieces = {}
+                for p in ann.my_pieces():
+                    lo, hi = ann.piece_range(p)
+                    pieces[p] = Piece(dtype, hi - lo, ann.world, op, ordered, self.pool)
                 rnd = self._rounds[key] = Round(ann.job, ann.op_seq, ann.world, signature, pieces)
             elif rnd.signature != signature:
                 raise ProtocolError(f"job {ann.job:#x} rank {ann.rank} called all-reduce #{ann.op_seq} with "
@@ -171,86 +233,75 @@ class ReductionServer:
             rnd.last_progress = time.monotonic()
             return rnd
 
-    def _serve_round(self, conn: Connection, ann: wire.Announce) -> None:
-        rnd = self._round(ann)
-        dtype = ops.dtype_from_code(ann.dtype_code)
-        pieces = list(ann.my_pieces())
-        posted: deque[tuple[int, np.ndarray, Handle]] = deque()
-
-        def post(p: int) -> None:
-            nbytes = rnd.pieces[p].count * dtype.itemsize
-            buf = self.pool.take(nbytes)
-            posted.append((p, buf, conn.irecv(buf[:nbytes], wire.piece_tag(ann.op_seq, p))))
-
-        # Posted ahead, so pieces land without a copy; only a worker's next call, which may
-        # start before this round's results are back, can have up to WINDOW pieces here first.
-        for p in pieces[:WINDOW]:
-            post(p)
-        next_i = min(WINDOW, len(pieces))
-        while posted:
-            p, buf, h = posted.popleft()
-            try:
-                h.wait(self.config.timeout_s)
-            except BaseException:
-                self.pool.give(buf)
-                for _, b, _ in posted:
-                    self.pool.give(b)
-                raise
-            if next_i < len(pieces):
-                post(pieces[next_i])
-                next_i += 1
-            rnd.last_progress = time.monotonic()
-            if self._kernels:
-                with self._kernels:
-                    result = rnd.pieces[p].add(ann.rank, buf)
-            else:
-                result = rnd.pieces[p].add(ann.rank, buf)
-            if result is not None:
-                self._piece_done(rnd, p, result)
+    def _contribute(self, link: Link, op_seq: int, entry: _Pending, p: int, buf: np.ndarray) -> None:
+        """Add ``buf`` (a pooled buffer, now the round's) to piece ``p``; send the result if complete."""
+        rnd = entry.round
+        piece = rnd.pieces.get(p)
+        if piece is None or buf.nbytes != piece.count * piece.dtype.itemsize:
+            self.pool.give(buf)
+            what = "is not this reducer's" if piece is None else f"is {buf.nbytes} bytes, expected " \
+                                                                  f"{piece.count * piece.dtype.itemsize}"
+            raise ProtocolError(f"{link.peer}: piece {p} of all-reduce #{op_seq} {what}")
+        entry.left -= 1
+        if entry.left == 0:
+            del link.pending[op_seq]
+        rnd.last_progress = time.monotonic()
+        result = piece.add(link.identity[1], buf)  # type: ignore[index]
         if self._metrics:
-            self._metrics.bytes_in.inc(sum(rnd.pieces[p].count for p in pieces) * dtype.itemsize)
+            self._metrics.bytes_in.inc(buf.nbytes)
+        if result is not None:
+            self._piece_done(rnd, p, result)
 
     def _piece_done(self, rnd: Round, p: int, result: np.ndarray) -> None:
-        """Send the reduced piece to every worker of the job (from this thread: no hop)."""
+        """Send the reduced piece to every worker of the job, from this thread: no hop."""
         with self._lock:
             job = self._jobs.get(rnd.job)
-            conns = list(job.conns.values()) if job else []
+            links = list(job.links.values()) if job else []
             rnd.done_pieces += 1
             finished = rnd.done_pieces == len(rnd.pieces)
             if finished:
                 self._rounds.pop((rnd.job, rnd.op_seq), None)
-        handles = [c.isend(result, wire.piece_tag(rnd.op_seq, p)) for c in conns]
-        if job is not None:
-            self._reap_sent(job, (result, handles))
+        tag = wire.piece_tag(rnd.op_seq, p)
+        n = result.nbytes
+        view = memoryview(result)
+        inline = [lk for lk in links if n <= lk.inline_bytes]
+        sliced = [lk for lk in links if n > lk.inline_bytes]
+        if inline:  # one record for everybody: a piece's tag is used once, so its seq is 0
+            record = wire.encode_inline(tag, 0, n) + bytes(view)
+            for lk in inline:
+                lk.send_inline(record)
+        if sliced:
+            plans = {lk: _slices(tag, view, lk.config.chunk_bytes) for lk in sliced}
+            out = Outgoing(result, self.pool, sum(len(s) for s in plans.values()))
+            for lk, slices in plans.items():
+                lk.send_slices(slices, out)
+        else:
+            self.pool.give(result)
         if finished and self._metrics:
             self._metrics.rounds.inc()
 
-    def _reap_sent(self, job: Job, new: tuple[np.ndarray, list[Handle]] | None = None) -> None:
-        """Return result buffers whose sends have all left to the pool."""
-        done: list[np.ndarray] = []
-        with self._lock:
-            if new is not None:
-                job.sending.append(new)
-            while job.sending and all(h.done for h in job.sending[0][1]):
-                done.append(job.sending.popleft()[0])
-        for buf in done:
-            self.pool.give(buf)
-
     # -- failures -------------------------------------------------------------------
 
-    def _worker_lost(self, job_id: int, rank: int, conn: Connection, err: BaseException) -> None:
+    def on_lost(self, link: Link, err: RedsockError) -> None:
+        if self._closed.is_set():
+            return  # shutting down: every worker was told why already
+        if link.identity is None:
+            if not self._closed.is_set():
+                log.warning("dropped %s: %s", link.peer, err)
+            return
+        job_id, rank = link.identity
         with self._lock:
             job = self._jobs.get(job_id)
-            if job is None or job.conns.get(rank) is not conn:
+            if job is None or job.links.get(rank) is not link:
                 return
-            del job.conns[rank]
-            busy = [k for k, r in self._rounds.items() if k[0] == job_id]
+            del job.links[rank]
+            busy = [k for k in self._rounds if k[0] == job_id]
         if busy:
             self._abort_job(job_id, [rank], f"worker rank {rank} of job {job_id:#x} failed ({err})")
             return
         log.info("job %#x rank %d left", job_id, rank)
         with self._lock:
-            if job_id in self._jobs and not self._jobs[job_id].conns:
+            if job_id in self._jobs and not self._jobs[job_id].links:
                 del self._jobs[job_id]
                 log.info("job %#x left", job_id)
         if self._metrics:
@@ -268,9 +319,8 @@ class ReductionServer:
         if job is None:
             return
         reason = f"[failed ranks: {', '.join(map(str, ranks))}] reduction server: {why}"
-        for c in job.conns.values():
-            c.abort(reason)
-        self._reap_sent(job)
+        for link in job.links.values():
+            link.abort(reason)
         if self._metrics:
             self._metrics.aborts.inc()
 
@@ -284,6 +334,21 @@ class ReductionServer:
                 missing = rnd.missing_ranks()
                 self._abort_job(rnd.job, missing, f"all-reduce #{rnd.op_seq} got nothing from rank(s) "
                                 f"{', '.join(map(str, missing))} for {self.config.timeout_s:g}s")
+
+
+def _ignore(signum: int, frame: object) -> None:
+    """SIGTERM/SIGINT: the wake-up fd already told serve_forever (see stop_on_signals)."""
+
+
+def _op_seq(tag: int) -> int:
+    return (tag >> wire.PIECE_BITS) - 1
+
+
+def _slices(tag: int, view: memoryview, chunk: int) -> list[tuple[bytes, memoryview]]:
+    """A message cut into slice records of at most ``chunk`` bytes (header, payload view)."""
+    total = len(view)
+    return [(wire.encode_slice(tag, 0, total, off, min(chunk, total - off)), view[off:off + chunk])
+            for off in range(0, total, chunk)]
 
 
 def _fixed_mmap_threshold() -> None:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import wire
 from ..config import Config
@@ -104,8 +105,12 @@ class Listener:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, config: Config | None = None,
-                 on_connection: Callable[[Connection], None] | None = None, backlog: int = 1024):
+                 on_connection: Callable[[Connection], None] | None = None, backlog: int = 1024,
+                 connection_factory: Callable[..., Any] = Connection):
         self.config = config or Config.from_env()
+        # What serves an established connection's sockets (the reduction server's event loops
+        # take the raw sockets instead of a threaded Connection).
+        self._connection_factory = connection_factory
         try:
             self._sock = socket.create_server((host, port), backlog=backlog)
         except OSError as e:
@@ -220,7 +225,7 @@ class Listener:
             tune(s, config, data=s is not p.ctrl)
         inline = min(config.inline_bytes, p.hello.inline_bytes)
         peer = f"{p.hello.name}@{p.addr}" if p.hello.name else p.addr
-        conn = Connection(p.ctrl, p.data, peer=peer, config=config, inline_bytes=inline)  # type: ignore[arg-type]
+        conn = self._connection_factory(p.ctrl, p.data, peer=peer, config=config, inline_bytes=inline)
         p.complete.set()
         if self._closed:
             conn.close()

@@ -178,6 +178,9 @@ def test_up_twice_status_down_leaves_nothing(prefix: str) -> None:
         assert h.egress.qdisc == h.ingress.qdisc == "tbf"
         assert h.egress.rates == h.ingress.rates == [RATE]
     assert "198.18.0.101/24" in str(st) and "tbf 300M" in str(st)
+    # The queue holds 16 of veth's 64 KiB GSO super-packets, not 10 ms at 300 Mbit/s (375 KB).
+    qdiscs = subprocess.run(["tc", "-n", f"{prefix}-w0", "qdisc", "show"], capture_output=True, text=True).stdout
+    assert "lat 24.5ms" in qdiscs, qdiscs  # tc shows the limit as (1 MiB - 128 KiB burst) / 300 Mbit/s
     assert json.loads(json.dumps(st.to_dict()))["hosts"][0]["name"] == "w0"
     assert tb.state_file.exists()
     # Hosts reach each other through the bridge; lo works.

@@ -40,6 +40,8 @@ LINK_SHARE = 0.9
 PROCS_PER_CORE = 4  #: reproduce flags a step CPU-bound above 4 processes per core
 #: reproduce's series -> the model's algorithm
 SERIES_ALGO = {"gloo": "gloo", "ring": "ring", "ring1": "ring", "server": "reducers", "auto": "rd"}
+#: a row's recorded inter-host algorithm -> the model's
+ROUTE_ALGO = {"ring": "ring", "server": "reducers", "small": "rd"}
 #: With several ranks per host, redsock's algorithms run hierarchically (DESIGN.md section 7).
 HIERARCHICAL = {"ring": "hring", "reducers": "hreducers"}
 
@@ -115,8 +117,12 @@ def check_rows(rows: list[Row], profile: Profile, cores: int | None = None) -> l
             continue
         if algo == "rd" and r.bytes >= 64 * 1024:
             algo = "ring"  # auto picks the ring from 64 KiB up
+        # Rows that record the route they took (bench allreduce: "scheme", "inter") are
+        # predicted for that route, not for the series' default.
+        algo = ROUTE_ALGO.get(r.extra.get("inter"), algo)
         cluster, goodput = _layout(r)
-        if cluster.ranks_per_host > 1 and algo in HIERARCHICAL and r.extra.get("hierarchy", "auto") != "off":
+        hierarchical = r.extra.get("scheme", "hierarchical" if r.extra.get("hierarchy", "auto") != "off" else "flat")
+        if cluster.ranks_per_host > 1 and algo in HIERARCHICAL and hierarchical == "hierarchical":
             algo = HIERARCHICAL[algo]  # REDSOCK_HIERARCHY=auto (the default): shared memory in a host
         p = profile if goodput == profile.goodput_factor else _with(profile, goodput_factor=goodput)
         pred = model.predict(algo, cluster, r.bytes, p)

@@ -238,3 +238,27 @@ def test_lab_ddp_takes_compute_from_gloo_and_predicts_the_rest(tmp_path: Path) -
     assert checks[0].compute_s == pytest.approx(compute)
     assert checks[1].predicted_steps_s == pytest.approx(steps["server"])
     assert checks[1].error == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("n,m,nbytes", [(2, 2, 4 << 20), (4, 4, 16 << 20), (4, 2, 1 << 20), (8, 4, 64 << 10)])
+def test_reducers_drain_the_last_pieces_after_the_upload(n: int, m: int, nbytes: int) -> None:
+    """Pieces as server_client cuts them; after the upload, each reducer sends its last piece to
+    every worker and each worker receives the last piece of every reducer it used."""
+    from redsock.collectives.server_client import piece_elements
+
+    p = dataclasses.replace(LINKS_ONLY, piece_bytes=256 * 1024)
+    piece = piece_elements(nbytes // 4, 4, m, p.piece_bytes) * 4
+    used = min(m, -(-nbytes // piece))
+    pred = predict("reducers", Cluster(n, 1, 1e9, reducers=m), nbytes, p)
+    g = goodput(1e9, p)
+    assert pred.drain_s == pytest.approx(max(n, used) * piece / g)
+    assert pred.seconds == pytest.approx(max(nbytes / g, n * nbytes / used / g) + pred.drain_s, rel=1e-6)
+    assert pred.link_share == pytest.approx(1.0, rel=1e-6)  # the drain is NIC time too
+
+
+def test_fewest_reducers_is_the_best_time_not_the_most_reducers() -> None:
+    """Past one piece per reducer, more reducers only add last pieces to drain."""
+    c = Cluster(4, 1, 1e9)
+    m, pred = fewest_reducers("reducers", c, 1 << 20, DEFAULT, within=0.0)
+    times = [predict("reducers", c.with_reducers(k), 1 << 20, DEFAULT).seconds for k in range(1, 65)]
+    assert pred.seconds == pytest.approx(min(times)) and times.index(min(times)) + 1 == m

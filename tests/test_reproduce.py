@@ -396,3 +396,13 @@ def test_smoke_run_writes_report_plots_and_raw_json(tmp_path: Path) -> None:
         assert f"| {t['gbps']:.3f} |" in md
     assert "REDSOCK_NSOCKS=1 python -m redsock bench allreduce" in md
     assert "| ring1-n2 | ok | 0 |" in md
+
+
+def test_report_keeps_the_plan_section_from_the_stored_results() -> None:
+    """Regenerating results.md writes the model's comparison from the run's raw outputs."""
+    stored = Path(__file__).resolve().parents[1] / "docs" / "results"
+    md = R.render_markdown(run_info(R.PLANS["quick"]), [], stored)
+    assert "## The model (`redsock plan`) against these measurements" in md
+    assert "Link-bound points within 15%:" in md and "| 8 x 1 | 0 | 64 MiB | gloo |" in md
+    assert "| workers | algo | compute / step (from gloo) |" in md  # the DDP comparison
+    assert "## The model" not in R.render_markdown(run_info(R.PLANS["quick"]), [])

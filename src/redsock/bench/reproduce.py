@@ -770,8 +770,9 @@ def invocation(s: Settings) -> str:
     return shlex.join(argv)
 
 
-def render_markdown(info: RunInfo, results: Sequence[StepResult]) -> str:
-    """The whole of results.md."""
+def render_markdown(info: RunInfo, results: Sequence[StepResult], results_dir: Path | None = None) -> str:
+    """The whole of results.md; with ``results_dir`` (the run's raw outputs), also the plan's
+    model against them."""
     s = info.settings
     m = info.machine
     lines = [
@@ -843,6 +844,11 @@ def render_markdown(info: RunInfo, results: Sequence[StepResult]) -> str:
                      f"| {'-' if r.cpu_pct is None else f'{r.cpu_pct}%'} |")
     lines += ["", "```bash"] + [r.step.command() for r in results if r.status != "not run"]
     lines += ["```"]
+    if results_dir is not None:
+        from ..plan import DEFAULT, lab  # the plan reads this module's steps
+
+        lines += ["", "## The model (`redsock plan`) against these measurements", ""]
+        lines += lab.results_section(results_dir, DEFAULT)
     if info.leftovers:
         lines += ["", f"Namespaces left behind by a step and removed afterwards: {', '.join(info.leftovers)}."]
     return "\n".join(lines) + "\n"
@@ -1346,7 +1352,7 @@ def execute(settings: Settings, out_dir: Path, prefix: str, progress: bool = Tru
     info.wall_s = time.monotonic() - t0
     write_figures(info, results, results_dir)
     path = out_dir / "results.md"
-    path.write_text(render_markdown(info, results))
+    path.write_text(render_markdown(info, results, results_dir))
     bad = [r for r in results if not r.ok]
     for r in bad:
         print(f"redsock reproduce: {r.step.key}: {r.status}", file=sys.stderr)

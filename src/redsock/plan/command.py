@@ -108,7 +108,7 @@ class Plan:
 def make_plan(cluster: Cluster, nbytes: int, profile: Profile, training: Training | None = None,
               costs: Costs = Costs()) -> Plan:
     """Predict every algorithm; without reducers in ``cluster``, size them (the fewest that reach,
-    within 1%, the time unlimited reducers would give)."""
+    within 1%, the best time over any number of reducers)."""
     algo = "hreducers" if cluster.ranks_per_host > 1 else "reducers"
     fewest, _ = model.fewest_reducers(algo, cluster, nbytes, profile)
     given = cluster.reducers > 0
@@ -166,7 +166,7 @@ def recommendation(plan: Plan) -> str:
     total = plan.fewest_reducers * c.reducer_bps
     return (f"fastest: {LABELS[best.algo]} ({_ms(best.seconds)}, {best.bottleneck}-bound). "
             f"{LABELS[plan.reducer_algo]}: {plan.fewest_reducers} reducers reach {_ms(p.seconds)} "
-            f"(within 1% of unlimited reducers; {p.bottleneck}-bound); their links total "
+            f"(within 1% of the best over any number; {p.bottleneck}-bound); their links total "
             f"{format_rate(total)} against the workers' {format_rate(c.hosts * c.link_bps)}.")
 
 

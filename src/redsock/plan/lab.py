@@ -40,6 +40,8 @@ LINK_SHARE = 0.9
 PROCS_PER_CORE = 4  #: reproduce flags a step CPU-bound above 4 processes per core
 #: reproduce's series -> the model's algorithm
 SERIES_ALGO = {"gloo": "gloo", "ring": "ring", "ring1": "ring", "server": "reducers", "auto": "rd"}
+#: a row's recorded inter-host algorithm -> the model's
+ROUTE_ALGO = {"ring": "ring", "server": "reducers", "small": "rd"}
 #: With several ranks per host, redsock's algorithms run hierarchically (DESIGN.md section 7).
 HIERARCHICAL = {"ring": "hring", "reducers": "hreducers"}
 
@@ -115,8 +117,12 @@ def check_rows(rows: list[Row], profile: Profile, cores: int | None = None) -> l
             continue
         if algo == "rd" and r.bytes >= 64 * 1024:
             algo = "ring"  # auto picks the ring from 64 KiB up
+        # Rows that record the route they took (bench allreduce: "scheme", "inter") are
+        # predicted for that route, not for the series' default.
+        algo = ROUTE_ALGO.get(r.extra.get("inter"), algo)
         cluster, goodput = _layout(r)
-        if cluster.ranks_per_host > 1 and algo in HIERARCHICAL and r.extra.get("hierarchy", "auto") != "off":
+        hierarchical = r.extra.get("scheme", "hierarchical" if r.extra.get("hierarchy", "auto") != "off" else "flat")
+        if cluster.ranks_per_host > 1 and algo in HIERARCHICAL and hierarchical == "hierarchical":
             algo = HIERARCHICAL[algo]  # REDSOCK_HIERARCHY=auto (the default): shared memory in a host
         p = profile if goodput == profile.goodput_factor else _with(profile, goodput_factor=goodput)
         pred = model.predict(algo, cluster, r.bytes, p)
@@ -238,3 +244,42 @@ def ddp_markdown(checks: list[DdpCheck]) -> str:
         lines.append(f"| {c.workers} | {c.algo} | {_t(c.compute_s)} | {c.measured_steps_s:.3f} | "
                      f"{c.predicted_steps_s:.3f} | {c.error:+.1%} | {c.kind} |")
     return "\n".join(lines)
+
+
+def results_section(results_dir: str | Path, profile: Profile, cores: int | None = None) -> list[str]:
+    """The "model against these measurements" section of results.md (``redsock reproduce``
+    writes it; ``redsock plan --lab DIR`` prints the same tables)."""
+    try:
+        checks = check_rows(load_lab(results_dir), profile, cores)
+    except ConfigError as e:
+        return [f"Nothing to compare: {e}."]
+    lines = [
+        (f"`redsock plan --lab {_RESULTS_NAME}` predicts every all-reduce above with the model of "
+         "`src/redsock/plan/model.py` (time = steps x per-step latency + the slowest resource's bytes / its rate "
+         "+ the reducers' drain; bytes per host NIC as in DESIGN.md section 7; payload = line rate x goodput "
+         f"factor) and the profile \"{profile.source}\". Nothing is fitted to these rows. Each point is classed "
+         f"before comparing: **CPU-bound** where more than {PROCS_PER_CORE} processes per core work for the series "
+         "(ranks, plus reducers for the reducer series), **link-bound** where the NICs account for at least "
+         f"{LINK_SHARE:.0%} of the predicted time, **latency-bound** otherwise. Link-bound points are held to "
+         f"{TOLERANCE:.0%}; elsewhere the model gives the link-bound time and is not judged. `error` = predicted / "
+         "measured - 1 (negative: the lab was slower than the model)."),
+        "", "Per layout, its largest size:", "", summary(checks), "",
+        f"Every point from {human_size(SECTION_MIN_BYTES)} up (`redsock plan --lab` prints the smaller ones too):",
+        "", markdown(checks, SECTION_MIN_BYTES),
+    ]
+    misses = [c for c in checks if c.ok is False]
+    if misses:
+        lines += ["", "Link-bound points outside the bound (not fitted away):", ""]
+        lines += [f"- {c.cluster.hosts} x {c.cluster.ranks_per_host}, {reproduce.SERIES_LABELS.get(c.series, c.series)}, "
+                  f"{human_size(c.row.bytes)}: {c.error:+.1%}" for c in misses]
+    ddp = ddp_checks(results_dir, profile, cores)
+    if ddp:
+        lines += ["", "DDP training: the compute time of a step is taken from gloo's measured step minus the model's "
+                  "gradient sync for gloo (DDP's 25 MiB buckets, no overlap); the ring's and the reducers' steps/s "
+                  "are then predicted.", "", ddp_markdown(ddp)]
+    return lines
+
+
+#: the section's full table starts here (below: per-message costs on shared cores)
+SECTION_MIN_BYTES = 256 * 1024
+_RESULTS_NAME = "docs/results"

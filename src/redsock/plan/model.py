@@ -4,7 +4,7 @@ The model is a pipeline bound: an algorithm's time is its per-message latency pl
 slowest of the resources every byte must pass through, each taking its bytes at its own
 rate, because pieces stream through all of them at once::
 
-    T = steps x per-step latency + max_r (bytes through r / rate of r)  [+ pipeline fill]
+    T = steps x per-step latency + max_r (bytes through r / rate of r)  [+ pipeline drain]
 
 Resources: the host NIC (each way; payload rate = line rate x goodput factor), a rank's
 reduction (numpy add), a rank's in-host traffic (shared memory, or TCP loopback for gloo),
@@ -24,9 +24,11 @@ congestion and incast losses, stragglers, and the CPU of processes that share to
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from ..collectives.server_client import MIN_PIECE_BYTES, PIECES_PER_SERVER
 from ..errors import ConfigError
 from .profile import Profile
 
@@ -101,6 +103,8 @@ class Prediction:
     #: seconds each resource needs for its bytes (the largest of a phase bounds that phase)
     terms: dict[str, float] = field(default_factory=dict)
     nic_bytes: float = 0.0  #: bytes through one worker host's NIC, each way
+    #: reducers: seconds the NICs still move the last pieces after the busiest resource is done
+    drain_s: float = 0.0
 
     @property
     def bottleneck(self) -> str:
@@ -111,9 +115,10 @@ class Prediction:
 
     @property
     def link_share(self) -> float:
-        """Fraction of the time the busiest NIC (a host's or a reducer's) alone accounts for."""
+        """Fraction of the time the NICs alone account for: the busiest one (a host's or a
+        reducer's), and the drain, which is NIC time too."""
         nic = max((v for k, v in self.terms.items() if k.endswith("NIC")), default=0.0)
-        return nic / self.seconds if self.seconds else 0.0
+        return (nic + self.drain_s) / self.seconds if self.seconds else 0.0
 
     @property
     def algbw_GBps(self) -> float:
@@ -126,7 +131,7 @@ class Prediction:
     def to_json(self) -> dict:
         return {"algo": self.algo, "label": LABELS[self.algo], "bytes": self.nbytes, "world": self.world,
                 "seconds": self.seconds, "latency_s": self.latency_s, "bottleneck": self.bottleneck,
-                "nic_bytes": self.nic_bytes, "terms": dict(self.terms),
+                "nic_bytes": self.nic_bytes, "drain_s": self.drain_s, "terms": dict(self.terms),
                 "algbw_GBps": self.algbw_GBps, "busbw_GBps": self.busbw_GBps}
 
 
@@ -191,21 +196,28 @@ def _recursive_doubling(c: Cluster, s: float, p: Profile) -> tuple[float, dict, 
 def _reducers(c: Cluster, s: float, p: Profile, senders_per_host: int, per_sender: float,
               contributions: int) -> tuple[float, dict, float, float]:
     """Every sender sends its ``per_sender`` bytes to the reducers once and gets them back once;
-    the M reducers share ``contributions`` x S bytes each way.  Returns (latency, terms, nic, fill)."""
-    m = c.reducers
-    if m < 1:
+    the reducers share ``contributions`` x S bytes each way.  Returns (latency, terms, nic, drain)."""
+    if c.reducers < 1:
         raise ConfigError("the reducer algorithms need --reducers >= 1")
+    # Pieces as the workers cut them (server_client.piece_elements); piece i goes to reducer
+    # i mod M, so a message of fewer pieces than reducers uses only as many reducers.
+    piece = min(p.piece_bytes, max(MIN_PIECE_BYTES, math.ceil(per_sender / (c.reducers * PIECES_PER_SERVER))))
+    used = min(c.reducers, math.ceil(per_sender / piece))
     nic = senders_per_host * per_sender
-    per_reducer = contributions * s / m
+    per_reducer = contributions * s / used
     terms = {
         "host NIC": nic / _goodput(c.link_bps, p),
         "reducer NIC": per_reducer / _goodput(c.reducer_bps, p),
         "reducer CPU": per_reducer * p.reducer_cpu_s_per_byte / c.reducer_cores,
     }
-    # The last piece is summed only once all of it is in, then sent back: one piece not overlapped.
-    piece = min(p.piece_bytes, per_sender)
-    fill = piece / _goodput(min(c.link_bps, c.reducer_bps), p)
-    return 2 * p.reducer_hop_s, terms, nic, fill
+    # Drain: a sender's flows to its reducers share its NIC, so the last piece of every
+    # (sender, reducer) pair is complete only when the upload ends, and a reducer forwards a
+    # piece only once it has all of it.  Then every reducer still sends its last piece to every
+    # sender, and every host receives the last piece of every reducer, each on its own NIC.
+    senders = c.hosts * senders_per_host
+    drain = max(senders * piece / _goodput(c.reducer_bps, p),
+                senders_per_host * used * piece / _goodput(c.link_bps, p))
+    return 2 * p.reducer_hop_s, terms, nic, drain
 
 
 def _in_host_phases(c: Cluster, s: float, p: Profile) -> tuple[float, float]:
@@ -233,26 +245,26 @@ def predict(algo: str, c: Cluster, nbytes: int, p: Profile) -> Prediction:
         lat, terms, nic, bw = _recursive_doubling(c, s, p)
         return Prediction(algo, nbytes, c.world, lat + bw, lat, terms, nic)
     if algo == "reducers":
-        lat, terms, nic, fill = _reducers(c, s, p, c.ranks_per_host, s, c.world)
-        return Prediction(algo, nbytes, c.world, lat + max(terms.values()) + fill, lat, terms, nic)
+        lat, terms, nic, drain = _reducers(c, s, p, c.ranks_per_host, s, c.world)
+        return Prediction(algo, nbytes, c.world, lat + max(terms.values()) + drain, lat, terms, nic, drain)
     if algo in ("hring", "hreducers"):
         L = c.ranks_per_host
         lat_in, t_in = _in_host_phases(c, s, p)
         if algo == "hring":
             # L rings of H ranks (one per local rank, each on its S/L share) share the host NIC:
             # together they move what one ring of H ranks on S would.
-            lat, terms, nic, t_mid = 0.0, {}, 0.0, 0.0
+            lat, terms, nic, t_mid, drain = 0.0, {}, 0.0, 0.0, 0.0
             if c.hosts > 1:
                 lat, terms, nic = _ring(Cluster(c.hosts, 1, c.link_bps), s, p, p.redsock_step_s, p.intra_Bps)
                 terms["reduce"] /= L
                 t_mid = max(terms.values())
         else:
-            lat, terms, nic, fill = _reducers(c, s, p, L, s / L, c.hosts)
-            t_mid = max(terms.values()) + fill
+            lat, terms, nic, drain = _reducers(c, s, p, L, s / L, c.hosts)
+            t_mid = max(terms.values()) + drain
         if L > 1:
             terms["in-host"] = t_in
         latency = lat + lat_in
-        return Prediction(algo, nbytes, c.world, latency + t_mid + t_in, latency, terms, nic)
+        return Prediction(algo, nbytes, c.world, latency + t_mid + t_in, latency, terms, nic, drain)
     raise ConfigError(f"unknown algorithm {algo!r}; choose from {', '.join(ALGORITHMS)}")
 
 
@@ -271,20 +283,17 @@ def predict_all(c: Cluster, nbytes: int, p: Profile) -> list[Prediction]:
 
 def fewest_reducers(algo: str, c: Cluster, nbytes: int, p: Profile, within: float = 0.01,
                     limit: int = 1 << 20) -> tuple[int, Prediction]:
-    """The fewest reducers with which ``algo`` is within ``within`` (a fraction) of the time it
-    reaches with unlimited reducers; time does not grow with M, so a binary search finds it."""
+    """The fewest reducers with which ``algo`` is within ``within`` (a fraction) of its best time.
+    Time is not monotone in M: more reducers share the bytes, but each holds a last piece to
+    drain, and pieces shrink towards MIN_PIECE_BYTES, so every M up to one piece per reducer
+    (beyond it nothing changes) is tried."""
     if algo not in REDUCER_ALGORITHMS:
         raise ConfigError(f"{algo!r} uses no reducers")
-    best = predict(algo, c.with_reducers(limit), nbytes, p).seconds
-    goal = best * (1 + within) * (1 + 1e-12)
-    lo, hi = 1, limit
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if predict(algo, c.with_reducers(mid), nbytes, p).seconds <= goal:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo, predict(algo, c.with_reducers(lo), nbytes, p)
+    top = max(1, min(limit, math.ceil(nbytes / MIN_PIECE_BYTES)))
+    preds = [predict(algo, c.with_reducers(m), nbytes, p) for m in range(1, top + 1)]
+    goal = min(q.seconds for q in preds) * (1 + within) * (1 + 1e-12)
+    m = next(m for m, q in enumerate(preds, 1) if q.seconds <= goal)
+    return m, preds[m - 1]
 
 
 def ddp_step_s(comm_s: float, compute_s: float, overlap: float) -> float:

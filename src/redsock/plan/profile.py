@@ -54,7 +54,7 @@ class Profile:
     #: edges).  Lab (``calibrate``, one plain socket, 64 MiB messages): 19.8 Gbit/s.
     loopback_Bps: float = 2.47e9
     #: Largest piece sent to a reducer (REDSOCK_PIECE_BYTES): a reducer forwards a piece once it
-    #: has all of it, so the last piece's return is not overlapped.
+    #: has all of it, so the last pieces still cross the NICs after the upload (model.py: drain).
     piece_bytes: int = 256 * 1024
     #: Where the figures come from.
     source: str = "built-in defaults (the 2-core lab)"

@@ -219,6 +219,17 @@ def test_lab_several_ranks_per_host_use_the_hierarchical_model() -> None:
     assert checks[2].prediction.nic_bytes == pytest.approx(S)  # one copy per host NIC
 
 
+def test_lab_reads_the_multirank_runs_with_their_series_and_routes() -> None:
+    # docs/results holds reproduce's multirank files: both auto series are kept apart
+    # and each is predicted for the route its rows recorded.
+    checks = [c for c in lab.check_rows(lab.load_lab(Path(__file__).parent.parent / "docs" / "results"), DEFAULT)
+              if c.cluster.ranks_per_host == 2]
+    algos = {c.series: c.prediction.algo for c in checks}
+    assert algos == {"gloo": "gloo", "gloo2": "gloo", "ring": "ring", "server": "reducers",
+                     "auto-servers": "hreducers", "auto-ring": "hring"}, algos
+    assert {c.row.bytes for c in checks} == {32 << 20, 64 << 20}
+
+
 def test_lab_ddp_takes_compute_from_gloo_and_predicts_the_rest(tmp_path: Path) -> None:
     c = Cluster(4, 1, 1e9, reducers=4)
     grad = 30_000_000

@@ -39,7 +39,8 @@ TOLERANCE = 0.15
 LINK_SHARE = 0.9
 PROCS_PER_CORE = 4  #: reproduce flags a step CPU-bound above 4 processes per core
 #: reproduce's series -> the model's algorithm
-SERIES_ALGO = {"gloo": "gloo", "ring": "ring", "ring1": "ring", "server": "reducers", "auto": "rd"}
+SERIES_ALGO = {"gloo": "gloo", "ring": "ring", "ring1": "ring", "server": "reducers", "auto": "rd",
+               "gloo2": "gloo", "auto-servers": "reducers", "auto-ring": "ring"}
 #: a row's recorded inter-host algorithm -> the model's
 ROUTE_ALGO = {"ring": "ring", "server": "reducers", "small": "rd"}
 #: With several ranks per host, redsock's algorithms run hierarchically (DESIGN.md section 7).
@@ -74,13 +75,13 @@ def load_lab(results_dir: str | Path) -> list[Row]:
     if not results_dir.is_dir():
         raise ConfigError(f"{results_dir} is not a directory of reproduce results")
     # reproduce's own steps name the files and say which series each algo is in them.
-    every_n = reproduce.Settings(mode="lab", sections=("allreduce", "latency"), workers=tuple(range(2, 101)))
+    every_n = reproduce.Settings(mode="lab", sections=("allreduce", "latency", "multirank"), workers=tuple(range(2, 101)))
     known = {s.key: s for s in reproduce.make_plan(every_n, results_dir, "lab")}
     rows: list[Row] = []
     for path in sorted(results_dir.glob("*.jsonl")):
         step = known.get(path.stem)
         if step is not None:
-            if step.section in ("allreduce", "latency"):
+            if step.section in ("allreduce", "latency", "multirank"):
                 rows += reproduce.load_data(step, path)
             continue
         # Another benchmark's rows (e.g. several ranks per host): all-reduce rows with a testbed
@@ -119,7 +120,8 @@ def check_rows(rows: list[Row], profile: Profile, cores: int | None = None) -> l
             algo = "ring"  # auto picks the ring from 64 KiB up
         # Rows that record the route they took (bench allreduce: "scheme", "inter") are
         # predicted for that route, not for the series' default.
-        algo = ROUTE_ALGO.get(r.extra.get("inter"), algo)
+        if algo != "gloo":  # (gloo's rows say "ring" too: its own ring, with its own constants)
+            algo = ROUTE_ALGO.get(r.extra.get("inter"), algo)
         cluster, goodput = _layout(r)
         hierarchical = r.extra.get("scheme", "hierarchical" if r.extra.get("hierarchy", "auto") != "off" else "flat")
         if cluster.ranks_per_host > 1 and algo in HIERARCHICAL and hierarchical == "hierarchical":

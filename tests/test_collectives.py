@@ -99,3 +99,17 @@ def test_stopped_rank_is_detected_by_the_timeout():
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_call_timeout_applies_inside_its_block_only():
+    from redsock.collectives.context import call_timeout, timeout_for_call
+
+    assert timeout_for_call(60.0) == 60.0
+    with call_timeout(2.0):
+        assert timeout_for_call(60.0) == 2.0
+        with call_timeout(None):  # unset (torch's negative default): the communicator's
+            assert timeout_for_call(60.0) == 60.0
+        assert timeout_for_call(60.0) == 2.0
+    with call_timeout(-0.001):
+        assert timeout_for_call(60.0) == 60.0
+    assert timeout_for_call(60.0) == 60.0

@@ -92,6 +92,21 @@ def test_dead_rank_fails_the_others_work_with_peer_failure():
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.parametrize("op", [0, 1], ids=["allreduce", "broadcast"])
+@pytest.mark.parametrize("shm", ["auto", "off"])
+def test_per_call_timeout_of_the_options_bounds_the_call(op, shm):
+    # The group's timeout is 60 s; the options' 1 s fails the call within a few seconds,
+    # through shared memory (two ranks on this host) and over Fast Socket alike.
+    outs = worker("per_call_timeout", 2, env={"TEST_TIMEOUT_S": "60", "TEST_SLEEP_S": "6", "TEST_OP": str(op),
+                                               "REDSOCK_SHM": shm}, timeout=90)
+    check_ok(outs)
+    line = next((ln for ln in outs[0][1].splitlines() if " raised " in ln), outs[0][1])
+    took = float(line.split(" after ")[1].split("s:")[0])
+    assert took < 6, line
+    # (shared memory waits 1 s; a socket waits one more period when the peer answers its probe)
+    assert "within 1s" in line or "no progress for 2s; the call's timeout" in line, line
+
+
 # -- registration ---------------------------------------------------------------------------
 
 def _entry_point_installed() -> bool:

@@ -348,7 +348,37 @@ def failure(gloo) -> None:
     os._exit(0)  # skip destroy_process_group: the dead rank never joins it
 
 
-SCENARIOS = {"ops": ops, "async": async_ops, "subgroups": subgroups, "failure": failure}
+def per_call_timeout(gloo) -> None:
+    """torch's per-call timeout (an options object's ``timeout``) bounds a call whose peers
+    never come, long before the group's own timeout (TEST_TIMEOUT_S)."""
+    rank = dist.get_rank()
+    pg = dist.distributed_c10d._get_default_group()
+    x = torch.ones(1000)
+    dist.all_reduce(x)  # every connection is up
+    if rank != 0:
+        time.sleep(float(os.environ["TEST_SLEEP_S"]))  # misses rank 0's next call
+        print("ok", flush=True)
+        os._exit(0)
+    timed = [("allreduce", dist.AllreduceOptions, lambda o: pg.allreduce([x], o)),
+             ("broadcast", dist.BroadcastOptions, lambda o: pg.broadcast([x], o))]
+    name, options, call = timed[int(os.environ["TEST_OP"])]
+    opts = options()
+    opts.timeout = timedelta(seconds=1)
+    if name == "broadcast":
+        opts.rootRank = 1  # (a root's send completes into the socket buffers without its peers)
+    t0 = time.monotonic()
+    try:
+        call(opts).wait()
+    except RedsockError as e:
+        print(f"{name} raised {type(e).__name__} after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+    else:
+        raise AssertionError("the per-call timeout did not fire")
+    print("ok", flush=True)
+    os._exit(0)  # skip destroy_process_group: the group failed
+
+
+SCENARIOS = {"ops": ops, "async": async_ops, "subgroups": subgroups, "failure": failure,
+             "per_call_timeout": per_call_timeout}
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import random
@@ -20,7 +21,7 @@ from ..config import Config, KiB
 from ..errors import ConfigError, PeerFailure, RedsockError, TransportError
 from ..transport import Connection, irecv_any, shm
 from . import ring, server_client, small
-from .context import CallContext, Finish, ScratchPool
+from .context import CallContext, Finish, ScratchPool, timeout_for_call
 from .hierarchy import Hierarchy
 from .server_client import ServerGroup
 
@@ -199,15 +200,16 @@ class Communicator:
     def send(self, array: np.ndarray, dst: int, tag: int = 0) -> None:
         """Send ``array`` to rank ``dst`` (matched by ``tag``, in order)."""
         x = _check_array(array, "send", writable=False)
-        self._p2p(dst, "send", lambda conn: conn.send(x, _P2P_TAG | _user_tag(tag), timeout=self.config.timeout_s))
+        limit = timeout_for_call(self.config.timeout_s)
+        self._p2p(dst, "send", lambda conn: conn.send(x, _P2P_TAG | _user_tag(tag), timeout=limit))
 
     def recv(self, array: np.ndarray, src: int | None = None, tag: int = 0, timeout: float | None = None) -> int:
         """Receive the next message with ``tag`` from rank ``src`` into ``array`` (sizes must
         match); with ``src=None``, from whichever rank's message arrives first (each rank's
         messages still in order).  Returns the sender's rank.  ``timeout``: seconds without
-        progress (default ``REDSOCK_TIMEOUT_S``)."""
+        progress (default: the ``call_timeout`` in effect, else ``REDSOCK_TIMEOUT_S``)."""
         x = _check_array(array, "recv", writable=True)
-        limit = self.config.timeout_s if timeout is None else timeout
+        limit = timeout_for_call(self.config.timeout_s) if timeout is None else timeout
         if src is not None:
             self._p2p(src, "recv", lambda conn: conn.recv(x, _P2P_TAG | _user_tag(tag), timeout=limit))
             return src
@@ -294,7 +296,7 @@ class Communicator:
                 body = functools.partial(self.hier.in_turn, self.hier.ticket(), body)
         check = _signature_check(name, signature)
         ctx = CallContext(self.peers, self.rank, self.world_size, _COLLECTIVE_TAG | seq, check,
-                          self.config.timeout_s, self._pool, seq, self.servers)
+                          timeout_for_call(self.config.timeout_s), self._pool, seq, self.servers)
 
         def guarded(step: Callable[[], Finish | None]) -> Finish | None:
             try:
@@ -334,7 +336,9 @@ class Communicator:
             else:
                 _chain(self._drainer.submit(finish, rest), done)
 
-        _chain(self._executor.submit(run), done, only_failures=True)
+        # In the caller's context: calls the body makes itself (the hierarchy's inter-host
+        # ones) keep the caller's call_timeout.
+        _chain(self._executor.submit(contextvars.copy_context().run, run), done, only_failures=True)
         return Work(done)
 
     def _p2p(self, peer: int, what: str, io: Callable[[Any], None]) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +13,28 @@ import numpy as np
 
 from ..bootstrap import PeerTable
 from ..transport import Handle
+
+#: A deadline for the calls started in this context (seconds), instead of the communicator's.
+_CALL_TIMEOUT: contextvars.ContextVar[float | None] = contextvars.ContextVar("redsock_call_timeout_s", default=None)
+
+
+@contextlib.contextmanager
+def call_timeout(seconds: float | None) -> Iterator[None]:
+    """Collectives started inside ``with call_timeout(s):`` fail with
+    :class:`~redsock.errors.Timeout` when any of their waits makes no progress for ``s``
+    seconds (as the communicator's ``timeout_s`` does for every other call, and as gloo
+    applies a per-call timeout).  ``None`` or a value <= 0: the communicator's own."""
+    token = _CALL_TIMEOUT.set(seconds if seconds is not None and seconds > 0 else None)
+    try:
+        yield
+    finally:
+        _CALL_TIMEOUT.reset(token)
+
+
+def timeout_for_call(default_s: float) -> float:
+    """The deadline of a call started now: :func:`call_timeout`'s, else ``default_s``."""
+    return _CALL_TIMEOUT.get() or default_s
+
 
 #: What an algorithm may leave to do after it returns: wait for its last results (the
 #: communicator runs it on its drain thread, so the next call can start meanwhile).

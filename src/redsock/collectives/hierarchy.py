@@ -130,7 +130,7 @@ class Hierarchy:
             n = hi - lo
             views = g.rows(g.next_half(), dt, n)
             views[me] = xf[lo:hi]
-            g.sync(sig, SPIN_SMALL_US if whole else None)
+            g.sync(sig, SPIN_SMALL_US if whole else None, ctx.timeout_s)
             sig = None
             if whole and self.nhosts == 1:  # every rank reduces everything, in the same order
                 ops.reduce_rows(views, op, self.world, xf[lo:hi])
@@ -142,7 +142,7 @@ class Hierarchy:
                 if self.inter is not None:  # a small buffer: its single shard, from this thread
                     self._inter_all_reduce(acc, op, async_op=False)
                 ops.finalize(acc, op, self.world, views[me][a:b])
-            g.sync(None, SPIN_SMALL_US if whole else None)
+            g.sync(None, SPIN_SMALL_US if whole else None, ctx.timeout_s)
             for j, (a, b) in enumerate(bounds):
                 xf[lo + a:lo + b] = views[j][a:b]
 
@@ -166,7 +166,7 @@ class Hierarchy:
         for i, (lo, hi) in enumerate(pieces):
             views = g.rows(g.next_half(), dt, hi - lo)
             views[me] = xf[lo:hi]
-            g.sync(sig)
+            g.sync(sig, timeout_s=ctx.timeout_s)
             sig = None
             if me < shards:
                 a, b = owned[i]
@@ -179,7 +179,7 @@ class Hierarchy:
                 a, b = owned[i]
                 works[i].wait()  # (the inter-host call's own deadlines bound this wait)
                 ops.finalize(accs[i], op, self.world, views[me][a:b])
-            g.sync(None)
+            g.sync(None, timeout_s=ctx.timeout_s)
             for j, (a, b) in enumerate(partition(hi - lo, shards)):
                 xf[lo + a:lo + b] = views[j][a:b]
 
@@ -203,7 +203,7 @@ class Hierarchy:
             rows = g.rows(half, x.dtype, hi - lo)
             if g.me == src:
                 rows[src] = xf[lo:hi]
-            g.sync(sig)
+            g.sync(sig, timeout_s=ctx.timeout_s)
             sig = None
             if g.me != src:
                 xf[lo:hi] = rows[src]
@@ -211,11 +211,11 @@ class Hierarchy:
                 self.inter.broadcast(xf[lo:hi], root_host)
 
     def barrier(self, ctx: CallContext) -> None:
-        self.local.sync(_signature(ctx), SPIN_SMALL_US)
+        self.local.sync(_signature(ctx), SPIN_SMALL_US, ctx.timeout_s)
         if self.nhosts > 1:
             if self.local.me == 0:
                 self.inter.barrier()
-            self.local.sync(None, SPIN_SMALL_US)
+            self.local.sync(None, SPIN_SMALL_US, ctx.timeout_s)
 
     def all_gather(self, ctx: CallContext, x: np.ndarray, out: np.ndarray) -> None:
         """Single host: every rank writes its input, then reads everyone's."""
@@ -225,7 +225,7 @@ class Hierarchy:
         for lo, hi in chunks(0, count, max(1, g.region_bytes // dt.itemsize)):
             rows = g.rows(g.next_half(), dt, hi - lo)
             rows[g.me] = xf[lo:hi]
-            g.sync(sig)
+            g.sync(sig, timeout_s=ctx.timeout_s)
             sig = None
             for lr, r in enumerate(g.ranks):
                 of[r * count + lo:r * count + hi] = rows[lr]
@@ -239,7 +239,7 @@ class Hierarchy:
             n = hi - lo
             rows = g.rows(g.next_half(), dt, n * size)
             rows[g.me].reshape(size, n)[:] = xf.reshape(size, count)[:, lo:hi]
-            g.sync(sig)
+            g.sync(sig, timeout_s=ctx.timeout_s)
             sig = None
             ops.reduce_rows(rows[:, g.me * n:(g.me + 1) * n], op, size, of[lo:hi])
 

@@ -28,6 +28,8 @@ Tensors are handed over without copies when they are contiguous CPU tensors
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import math
 import os
 import threading
@@ -42,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import init as redsock_init
-from ..collectives import Communicator
+from ..collectives import Communicator, call_timeout
 from ..errors import ConfigError, PeerFailure, RedsockError
 from .bridge import (
     Staged,
@@ -152,7 +154,7 @@ class _Lanes:
                 lane = ThreadPoolExecutor(max_workers=1,
                                           thread_name_prefix=f"redsock-{self._label}-{direction}{peer}-t{tag}")
                 self._lanes[key] = lane
-            job = lane.submit(_settle, fn, part)
+            job = lane.submit(contextvars.copy_context().run, _settle, fn, part)  # (keeps call_timeout)
         job.add_done_callback(lambda j: part.cancel() if j.cancelled() else None)
 
     def shutdown(self) -> None:
@@ -185,6 +187,22 @@ def _reduce_op(op: Any, what: str) -> str:
 
 def _as_list(tensors: Any) -> list[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+def _options_timeout(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an operation under its options' ``timeout`` (torch's per-call timeout: every
+    wait of the call then fails after that long without progress, as gloo does); unset
+    (negative, torch's default) leaves the group's timeout."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        opts = kwargs.get("opts", args[-1] if args else None)
+        timeout = getattr(opts, "timeout", None)
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else None
+        with call_timeout(seconds):
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class ProcessGroupRedsock(dist.ProcessGroup):
@@ -284,6 +302,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
 
     # -- all-reduce ----------------------------------------------------------------------
 
+    @_options_timeout
     def allreduce(self, tensors: Any, opts: Any = None) -> RedsockWork:
         tensors = _as_list(tensors)
         op = _reduce_op(opts.reduceOp if opts is not None else _RedOp.SUM, "allreduce")
@@ -322,11 +341,13 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         t.copy_(total)
         return self._tracker.complete_when_done(work, [], lambda: tensors)
 
+    @_options_timeout
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> RedsockWork:
         return self.allreduce(tensors, opts)
 
     # -- broadcast -------------------------------------------------------------------------
 
+    @_options_timeout
     def broadcast(self, tensors: Any, opts: Any = None) -> RedsockWork:
         tensors = _as_list(tensors)
         root = opts.rootRank if opts is not None else 0
@@ -340,6 +361,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
 
     # -- all-gather ------------------------------------------------------------------------
 
+    @_options_timeout
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
         """List form: ``output_tensors[i][r]`` = rank r's ``input_tensors[i]``."""
         inputs = _as_list(input_tensors)
@@ -370,6 +392,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
             lambda: [self.comm.all_gather(s.array, as_numpy(tmp), async_op=True) for s, tmp in zip(srcs, temps)],
             finish, keep=temps, inputs=inputs)
 
+    @_options_timeout
     def allgather_coalesced(self, output_lists: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
         """``output_lists[r][i]`` = rank r's ``input_tensors[i]`` (the C++ base class would look
         for a C++ backend)."""
@@ -380,12 +403,14 @@ class ProcessGroupRedsock(dist.ProcessGroup):
                               f"{len(inputs)} tensors (one per rank, one tensor per input)")
         return self.allgather([[lists[r][i] for r in range(self._world)] for i in range(len(inputs))], inputs, opts)
 
+    @_options_timeout
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RedsockWork:
         """``output`` (world × input's elements) = every rank's ``input``, in rank order."""
         return self._gather_into_tensors([output], [input], "all_gather_into_tensor")
 
     _allgather_base = all_gather_single
 
+    @_options_timeout
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> RedsockWork:
         return self._gather_into_tensors(_as_list(outputs), _as_list(inputs), "all_gather_into_tensor_coalesced")
 
@@ -421,6 +446,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
 
     # -- reduce-scatter --------------------------------------------------------------------
 
+    @_options_timeout
     def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
         """List form: ``output_tensors[i]`` = reduction over ranks of ``input_tensors[i][rank]``."""
         outputs = _as_list(output_tensors)
@@ -450,12 +476,14 @@ class ProcessGroupRedsock(dist.ProcessGroup):
                      for i, o in zip(staged_in, staged_out)],
             lambda: outputs)
 
+    @_options_timeout
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RedsockWork:
         """``output`` = the reduction over ranks of segment ``rank`` of ``input`` (world × output)."""
         return self._scatter_into_tensors([output], [input], opts, "reduce_scatter_tensor")
 
     _reduce_scatter_base = reduce_scatter_single
 
+    @_options_timeout
     def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> RedsockWork:
         return self._scatter_into_tensors(_as_list(outputs), _as_list(inputs), opts,
                                           "reduce_scatter_tensor_coalesced")
@@ -470,6 +498,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
 
     # -- reduce (built on all-reduce) ----------------------------------------------------------
 
+    @_options_timeout
     def reduce(self, tensors: Any, opts: Any = None) -> RedsockWork:
         """Only the root's tensor receives the result; other ranks reduce a copy (left unchanged)."""
         tensors = _as_list(tensors)
@@ -489,6 +518,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
 
     # -- barrier ---------------------------------------------------------------------------
 
+    @_options_timeout
     def barrier(self, opts: Any = None) -> RedsockWork:
         """Done when every rank entered it and this rank's earlier operations are complete."""
         work = self._new_work("barrier", ())
@@ -570,6 +600,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
 
     # -- all-to-all --------------------------------------------------------------------------
 
+    @_options_timeout
     def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
         """List form: ``output_tensors[j]`` = rank j's ``input_tensors[rank]``."""
         outputs, inputs = _as_list(output_tensors), _as_list(input_tensors)
@@ -587,6 +618,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         return self._p2p("all_to_all", [*outputs, *inputs], [*staged_in, *staged_out], jobs, lambda: outputs,
                          inputs=inputs)
 
+    @_options_timeout
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], opts: Any = None) -> RedsockWork:
         """Rows (dim 0) ``input_split_sizes[j]`` go to rank j; rank j's rows land at
@@ -631,6 +663,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
 
     # -- gather / scatter (point-to-point to or from the root) ---------------------------------
 
+    @_options_timeout
     def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
         inputs = _as_list(input_tensors)
         root = opts.rootRank if opts is not None else 0
@@ -648,6 +681,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
                 for r, s in enumerate(staged) if r != self._me]
         return self._p2p("gather", [*inputs, *outs], [src, *staged], jobs, lambda: outs, inputs=inputs)
 
+    @_options_timeout
     def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
         outputs = _as_list(output_tensors)
         root = opts.rootRank if opts is not None else 0

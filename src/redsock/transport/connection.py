@@ -454,7 +454,7 @@ class Connection:
             limit *= 2
         if not h._done:
             err = Timeout(f"{h.op} of {h.nbytes} bytes (tag {h.tag}) with {self.peer}: timeout (no progress "
-                          f"for {limit:g}s, REDSOCK_TIMEOUT_S)", peer=self.peer, op=h.op)
+                          f"for {limit:g}s; the call's timeout, by default REDSOCK_TIMEOUT_S)", peer=self.peer, op=h.op)
             self._abort(err)
             h._fail(err)
 

@@ -169,12 +169,13 @@ class LocalGroup:
 
     # -- synchronisation ---------------------------------------------------------------
 
-    def sync(self, signature: int | None = None, spin_us: int | None = None) -> None:
+    def sync(self, signature: int | None = None, spin_us: int | None = None, timeout_s: float | None = None) -> None:
         """Arrive at the next step and wait for every local rank to arrive there too.
 
         With ``signature`` (the call's, nonzero), check that every local rank arrived in
         the same call: a mismatch raises :class:`ProtocolError` on every rank alike.
-        ``spin_us``: how long to spin before sleeping (default: the group's).
+        ``spin_us``: how long to spin before sleeping; ``timeout_s``: how long to wait for
+        the others (defaults: the group's).
         """
         self.step += 1
         w = self._words
@@ -188,7 +189,7 @@ class LocalGroup:
             if w[lr * _LINE_WORDS + _SLEEP] == self.me + 1:
                 _futex_wake(self._step_addr[self.me])
                 break
-        self._wait(self.step, self.spin_s if spin_us is None else spin_us / 1e6)
+        self._wait(self.step, self.spin_s if spin_us is None else spin_us / 1e6, timeout_s or self.timeout_s)
         if signature is not None:
             others = {w[lr * _LINE_WORDS + sig_word] for lr in range(self.size)}
             if len(others) > 1:
@@ -200,12 +201,12 @@ class LocalGroup:
         w = self._words
         return [lr for lr in range(self.size) if w[lr * _LINE_WORDS] < step]
 
-    def _wait(self, step: int, spin_s: float) -> None:
+    def _wait(self, step: int, spin_s: float, timeout_s: float) -> None:
         missing = self._missing(step)
         if not missing:
             return
         now = time.monotonic()
-        spin_end, deadline = now + spin_s, now + self.timeout_s
+        spin_end, deadline = now + spin_s, now + timeout_s
         steps = self._steps
         while time.monotonic() < spin_end:
             if min(steps) >= step:
@@ -226,7 +227,7 @@ class LocalGroup:
             if left <= 0:
                 names = [self.ranks[lr] for lr in missing]
                 raise Timeout(f"rank {self.ranks[self.me]}: local rank(s) {names} did not arrive at a "
-                              f"shared-memory step within {self.timeout_s:g}s",
+                              f"shared-memory step within {timeout_s:g}s",
                               peer=f"rank {names[0]}", op="shared-memory wait")
             lr = missing[0]
             w[sleep_word] = lr + 1  # the futex system call below is a full barrier

@@ -113,3 +113,10 @@ def test_call_timeout_applies_inside_its_block_only():
     with call_timeout(-0.001):
         assert timeout_for_call(60.0) == 60.0
     assert timeout_for_call(60.0) == 60.0
+
+
+def test_connections_sharing_a_link_split_its_streams():
+    from redsock.config import Config
+
+    four = Config(nsocks=4)
+    assert [four.sharing_link(n).nsocks for n in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]

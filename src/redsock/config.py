@@ -141,6 +141,12 @@ class Config:
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
 
+    def sharing_link(self, connections: int) -> "Config":
+        """The settings for each of ``connections`` connections that cross one link: they
+        split its ``nsocks`` streams (at least one each), since more flows per link only add
+        losses there."""
+        return self.replace(nsocks=max(1, self.nsocks // max(1, connections)))
+
     def for_peer(self, same_host: bool, nstreams: int | None = None) -> "Config":
         """The settings for one connection: the same-host profile (see ``local_nsocks``) when the
         peer is on this host and the profile is on, else these.  ``nstreams``: the connection's

@@ -111,10 +111,8 @@ class Communicator:
 
     def _inter_host_comm(self, store: Any, advertise_toward: str | None, rank: int, world: int, group: str,
                          ranks: Sequence[int]) -> "Communicator":
-        # The host's shards all cross its one link: they split its stream budget, as a rank's
-        # connections to several reducers do (more flows per link only add losses there).
-        shards = self.peers.topology.shards
-        config = self.config.replace(nsocks=max(1, self.config.nsocks // shards))
+        # The host's shards all cross its one link, as a rank's connections to several reducers do.
+        config = self.config.sharing_link(self.peers.topology.shards)
         return Communicator(rank, world, store, config, group=group, namespace=self.peers.namespace,
                             advertise_toward=advertise_toward,
                             global_ranks=[self._global_ranks[r] for r in ranks])

@@ -47,7 +47,7 @@ class ServerGroup:
         self.addresses = [parse_hostport(s) for s in servers]
         # A worker's link carries its connections to every reducer: split the stream budget
         # among them (the reducers already spread the flows) rather than multiply it.
-        self.config = config.replace(nsocks=max(1, config.nsocks // len(self.addresses)))
+        self.config = config.sharing_link(len(self.addresses))
         self.job, self.rank, self.world = job, rank, world
         self._conns: list[Connection | None] = [None] * len(self.addresses)
         # Per server, the results of the pieces in flight to it (of this call and earlier

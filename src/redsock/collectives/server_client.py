@@ -118,9 +118,11 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Finish | No
     if reachable[0]:
         try:
             _through_servers(ctx, group, x, op)()  # all ranks must agree on the outcome first
-        except PeerFailure as e:
-            if "[failed ranks:" in str(e):
-                raise  # a worker failed, not a reducer: ring cannot help
+        except (PeerFailure, TransportError) as e:
+            # Even a reducer's "[failed ranks: r]" may only mean that rank r gave up this call
+            # because another reducer failed (it closes all its reducer connections): the
+            # agreement below, over the workers' own connections, raises naming a rank that is
+            # really gone, and falls back to ring when every rank is still there.
             failure = e
     ok = np.array([0 if failure or not reachable[0] else 1], np.uint8)
     small.all_reduce(ctx, ok, ops.ReduceOp.MIN)

@@ -3,37 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
 from .errors import RedsockError
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: (parent command, name, module, help): each module has add_arguments(parser) and run(args).
+COMMANDS = [
+    ("bench", "transport", "redsock.bench.transport", "throughput and latency between two processes"),
+    ("bench", "allreduce", "redsock.bench.allreduce", "nccl-tests-style all-reduce sweep, side by side with gloo"),
+    ("bench", "soak", "redsock.bench.soak", "thousands of random checked all-reduces; reducer memory must stay flat"),
+    ("bench", "floor", "redsock.bench.floor", "what plain sockets allow here (ring traffic, reducer fan-in), next to gloo"),
+    ("bench", "ddp", "redsock.bench.ddp_testbed", "DDP training steps/s on the emulated cluster: gloo, redsock ring, reducers"),
+    ("", "reproduce", "redsock.bench.reproduce", "measure the seed's claims on the emulated testbed (root): docs/results.md"),
+    ("", "plan", "redsock.plan.command", "predict every all-reduce algorithm's time at any scale; size reducers"),
+    ("", "calibrate", "redsock.plan.calibrate", "measure the plan's constants here and write a profile (JSON)"),
+]
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; given ``argv``, only the command it names imports its module
+    (a reducer's start-up does not pay for numpy-heavy benchmark modules it never uses)."""
     p = argparse.ArgumentParser(prog="redsock", description=__doc__)
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     sub = p.add_subparsers(dest="command", required=True)
-
-    from .bench import allreduce, ddp_testbed, floor, reproduce, soak, transport
-    from .plan import calibrate as plan_calibrate
-    from .plan import command as plan_command
+    words = None if argv is None else [a for a in argv if not a.startswith("-")]
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bsub = bench.add_subparsers(dest="bench", required=True)
-    commands = [
-        (bsub, "transport", transport, "throughput and latency between two processes"),
-        (bsub, "allreduce", allreduce, "nccl-tests-style all-reduce sweep, side by side with gloo"),
-        (bsub, "soak", soak, "thousands of random checked all-reduces; reducer memory must stay flat"),
-        (bsub, "floor", floor, "what plain sockets allow here (ring traffic, reducer fan-in), next to gloo"),
-        (bsub, "ddp", ddp_testbed, "DDP training steps/s on the emulated cluster: gloo, redsock ring, reducers"),
-        (sub, "reproduce", reproduce, "measure the seed's claims on the emulated testbed (root): docs/results.md"),
-        (sub, "plan", plan_command, "predict every all-reduce algorithm's time at any scale; size reducers"),
-        (sub, "calibrate", plan_calibrate, "measure the plan's constants here and write a profile (JSON)"),
-    ]
-    for parent, name, module, help_text in commands:  # each module: add_arguments(parser), run(args)
-        cmd = parent.add_parser(name, help=help_text)
-        module.add_arguments(cmd)
-        cmd.set_defaults(func=module.run)
+    parents = {"": sub, "bench": bench.add_subparsers(dest="bench", required=True)}
+    for parent, name, module_name, help_text in COMMANDS:
+        cmd = parents[parent].add_parser(name, help=help_text)
+        path = [w for w in (parent, name) if w]
+        if words is None or words[:len(path)] == path:
+            module = importlib.import_module(module_name)
+            module.add_arguments(cmd)
+            cmd.set_defaults(func=module.run)
 
     srv = sub.add_parser("serve", help="run a reduction server (stops on SIGTERM/SIGINT)")
     srv.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
@@ -67,7 +73,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     # The daemon logs joins and leaves at INFO: one line each.
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose + (args.command == "serve"), 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")

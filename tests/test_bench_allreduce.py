@@ -59,3 +59,24 @@ def test_checked_sweep_over_blocks_reports_zero_wrong(monkeypatch):
                         "--no-progress"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "# check: 0 wrong elements over 2 rows" in r.stdout
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64"])
+@pytest.mark.parametrize("op", ["sum", "prod"])
+def test_tiled_inputs_and_references_follow_their_closed_form(dtype, op):
+    """Inputs are built by tiling one period: element i of rank r must still be
+    (7i + 3r + seed) mod 11 - 5 (|.| for uint8), or 1 + (i + r + seed) mod 2 for prod."""
+    dt, rop = ops.dtype_from_name(dtype), ops.ReduceOp.parse(op)
+    start, count, world, seed = 1_000_003, 5_000, 3, 9
+    i = np.arange(start, start + count, dtype=np.int64)
+
+    def closed_form(r: int) -> np.ndarray:
+        if rop is ops.ReduceOp.PROD:
+            return 1 + (i + r + seed) % 2
+        v = (7 * i + 3 * r + seed) % 11 - 5
+        return np.abs(v) if dt == np.uint8 else v
+
+    for r in range(world):
+        assert np.array_equal(allreduce.make_input(count, dt, rop, r, seed, start).astype(np.float64), closed_form(r))
+    want = (np.prod if rop is ops.ReduceOp.PROD else np.sum)([closed_form(r) for r in range(world)], axis=0)
+    assert np.array_equal(allreduce.reference(count, dt, rop, world, seed, start), want)

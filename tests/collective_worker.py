@@ -1,4 +1,4 @@
-"""One rank of a multi-process collective test: ``python collective_worker.py SCENARIO RANK WORLD PORT``.
+"""One rank of a multi-process collective test: ``python collective_worker.py SCENARIO RANK WORLD STORE``.
 
 Asserts its own results against numpy references and prints ``digest <hex>`` lines
 so the test can check that every rank ended with the same bits.
@@ -16,6 +16,7 @@ import numpy as np
 import redsock
 from redsock import ops
 from redsock.bench.allreduce import count_wrong, make_input, reference
+from redsock.bootstrap import FileStore
 from redsock.errors import PeerFailure, RedsockError
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
@@ -307,12 +308,15 @@ def closes(comm, rank, world):
 
 
 def main():
-    scenario, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    from torch.distributed import TCPStore
+    """``STORE`` is a directory (redsock's FileStore: no torch import, so ranks start in well
+    under a second) or the port of a torch TCPStore."""
+    scenario, rank, world, store_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    if store_at.isdigit():
+        from torch.distributed import TCPStore
 
-    # In the testbed, rank 0 hosts the store in its own namespace (TEST_STORE_HOST).
-    host = os.environ.get("TEST_STORE_HOST", "127.0.0.1")
-    store = TCPStore(host, port, world, is_master=host != "127.0.0.1" and rank == 0, timeout=timedelta(seconds=60))
+        store = TCPStore("127.0.0.1", int(store_at), world, is_master=False, timeout=timedelta(seconds=60))
+    else:
+        store = FileStore(store_at)
     with redsock.init(rank, world, store, timeout_s=float(os.environ.get("TEST_TIMEOUT_S", "30"))) as comm:
         globals()[scenario](comm, rank, world)
     print("ok", flush=True)

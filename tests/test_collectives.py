@@ -2,6 +2,8 @@
 
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -14,20 +16,18 @@ WORKER = Path(__file__).parent / "collective_worker.py"
 
 
 def run_world(scenario, world, timeout=240, env=None):
-    """Run `scenario` on `world` ranks; returns (returncode, stdout, stderr) per rank."""
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=60),
-                     wait_for_workers=False)
-    procs = [start_logged([sys.executable, str(WORKER), scenario, str(r), str(world), str(store.port)],
-                          env={**__import__("os").environ, **(env or {})})
-             for r in range(world)]
-    try:
-        outs = wait_logged(procs, timeout)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    """Run `scenario` on `world` ranks; returns (returncode, stdout, stderr) per rank.  They meet
+    through a FileStore in a temporary directory (test_stopped_rank... uses torch's TCPStore)."""
+    with tempfile.TemporaryDirectory(prefix="redsock-store-") as store:
+        procs = [start_logged([sys.executable, str(WORKER), scenario, str(r), str(world), store],
+                              env={**__import__("os").environ, **(env or {})})
+                 for r in range(world)]
+        try:
+            outs = wait_logged(procs, timeout)
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
     return outs
 
 
@@ -120,3 +120,22 @@ def test_connections_sharing_a_link_split_its_streams():
 
     four = Config(nsocks=4)
     assert [four.sharing_link(n).nsocks for n in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
+
+
+def test_file_store_sets_whole_values_and_times_out_naming_the_key(tmp_path):
+    from redsock.bootstrap import FileStore
+    from redsock.errors import Timeout
+
+    a, b = FileStore(tmp_path / "s", timeout_s=0.3), FileStore(tmp_path / "s", timeout_s=5)
+    a.set("redsock/0/addr/1", "10.0.0.1:4000")
+    a.set("blob", bytes(range(256)) * 1000)
+    assert b.get("redsock/0/addr/1") == b"10.0.0.1:4000" and b.get("blob") == bytes(range(256)) * 1000
+    assert b.check(["blob", "redsock/0/addr/1"]) and not b.check(["blob", "missing"])
+    later = threading.Timer(0.2, lambda: a.set("late", b"x"))
+    later.start()
+    assert b.get("late") == b"x"  # waits for a key set later
+    t0 = time.monotonic()
+    with pytest.raises(Timeout, match="'missing' not set within 0.3 s"):
+        a.get("missing")
+    assert 0.3 <= time.monotonic() - t0 < 2
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == sorted(["blob", "late", "redsock%2F0%2Faddr%2F1"])

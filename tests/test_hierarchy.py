@@ -8,6 +8,7 @@ import functools
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,6 @@ from test_collectives import digests
 
 WORKER = Path(__file__).parent / "collective_worker.py"
 PLACEMENT = {0: "w0", 1: "w1", 2: "w2", 3: "w0", 4: "w2", 5: "w0"}  # hosts of 3, 1 and 2 ranks
-STORE_PORT = 29500  # inside w0's own namespace: nothing else listens there
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 
@@ -27,16 +27,17 @@ def run_hosts(scenario: str, env: dict | None = None, timeout: float = 300, serv
     """Run ``scenario`` with ranks placed by PLACEMENT; returns (returncode, stdout, stderr) per rank."""
     prefix = f"rsh{os.getpid() % 100000}"
     world = len(PLACEMENT)
-    with Testbed(workers=3, servers=servers, rate="10gbit", prefix=prefix) as tb:
+    # The ranks meet through a FileStore: the namespaces share the filesystem.
+    with Testbed(workers=3, servers=servers, rate="10gbit", prefix=prefix) as tb, \
+            tempfile.TemporaryDirectory(prefix="redsock-store-") as store:
         # MASTER_ADDR: each rank advertises the address that routes there (its host's own).
-        common = {**os.environ, "TEST_STORE_HOST": tb.host_addr("w0"), "MASTER_ADDR": tb.host_addr("w0"),
-                  "TEST_TIMEOUT_S": "30", **(env or {})}
+        common = {**os.environ, "MASTER_ADDR": tb.host_addr("w0"), "TEST_TIMEOUT_S": "30", **(env or {})}
         if servers:
             reducers = [tb.popen(s, [sys.executable, "-m", "redsock", "serve", "--host", tb.host_addr(s),
                                      "--port", "7700"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                         for s in tb.server_names]
             common["REDSOCK_SERVERS"] = ",".join(f"{tb.host_addr(s)}:7700" for s in tb.server_names)
-        procs = [start_logged([sys.executable, str(WORKER), scenario, str(r), str(world), str(STORE_PORT)],
+        procs = [start_logged([sys.executable, str(WORKER), scenario, str(r), str(world), store],
                               functools.partial(tb.popen, PLACEMENT[r]), env=common)
                  for r in range(world)]
         outs = wait_logged(procs, timeout)

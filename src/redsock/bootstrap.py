@@ -16,13 +16,14 @@ import socket
 import struct
 import threading
 import time
+import urllib.parse
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
 from .config import Config
-from .errors import ConfigError, PeerFailure, TransportError
+from .errors import ConfigError, PeerFailure, Timeout, TransportError
 from .transport import Connection, Listener, connect
 
 _generation = 0  # communicators created by this process; every rank creates them in the same order
@@ -46,7 +47,7 @@ def store_from_env(rank: int, world_size: int, timeout_s: float, env: dict[str, 
         from torch.distributed import TCPStore
     except ImportError:
         raise ConfigError("bootstrapping from the environment needs torch (pip install 'redsock[torch]'), "
-                          "or pass store= to redsock.init()") from None
+                          "or pass store= to redsock.init() (redsock.bootstrap.FileStore for one machine)") from None
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     try:
         return TCPStore(host, port, world_size, is_master=(rank == 0 and not agent),
@@ -54,6 +55,46 @@ def store_from_env(rank: int, world_size: int, timeout_s: float, env: dict[str, 
     except Exception as e:  # torch raises RuntimeError/DistStoreError
         raise TransportError(f"cannot reach the store at {host}:{port}: {e}", peer=f"{host}:{port}",
                              op="bootstrap") from e
+
+
+class FileStore:
+    """A store in a directory that every rank sees (one machine, or a shared filesystem):
+    for jobs without torch's TCPStore, and starting in milliseconds where importing torch
+    takes seconds.  A key is a file, written whole and renamed into place, so a reader
+    sees all of a value or nothing; :meth:`get` waits for it up to ``timeout_s``."""
+
+    def __init__(self, directory: str | os.PathLike, timeout_s: float = 60.0):
+        self.directory = os.fspath(directory)
+        self.timeout_s = timeout_s
+        os.makedirs(self.directory, exist_ok=True)
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, urllib.parse.quote(key, safe=""))
+
+    def set(self, key: str, value: str | bytes) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        path = self._path(key)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+    def get(self, key: str) -> bytes:
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.001
+        while True:
+            try:
+                with open(self._path(key), "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                if time.monotonic() >= deadline:
+                    raise Timeout(f"file store {self.directory}: key {key!r} not set within {self.timeout_s:g} s",
+                                  peer=self.directory, op="store get") from None
+                time.sleep(delay)
+                delay = min(2 * delay, 0.05)
+
+    def check(self, keys: list[str]) -> bool:
+        return all(os.path.exists(self._path(k)) for k in keys)
 
 
 def local_address(config: Config, toward: str | None) -> str:

@@ -208,6 +208,23 @@ def test_lab_classifies_and_judges() -> None:
     assert "Link-bound points within 15%: 1 of 2" in text
 
 
+def test_lab_classes_a_run_that_kept_the_machine_busy_as_cpu_bound(tmp_path: Path) -> None:
+    """The busy share comes from the benchmark's CPU line in the log beside the rows; a run
+    at 75% or more is CPU-bound whatever its process count."""
+    src = Path(__file__).parent.parent / "docs" / "results" / "allreduce-n4.jsonl"
+    line = "# CPU over 54.1 s: ranks 50.4 s, reducers 10.8 s (= 57% of 2 cores); whole machine busy {}% (includes ...)"
+    kinds = {}
+    for busy in (60, 75):
+        d = tmp_path / str(busy)
+        d.mkdir()
+        (d / src.name).write_bytes(src.read_bytes())
+        (d / "allreduce-n4.log").write_text(f"# reducer s0: peak RSS 60.1 MiB\n{line.format(busy)}\n")
+        rows = lab.load_lab(d)
+        assert {r.extra["machine_busy"] for r in rows} == {busy / 100}
+        kinds[busy] = {c.kind for c in lab.check_rows(rows, DEFAULT, cores=2) if c.row.bytes >= 16 << 20}
+    assert "link-bound" in kinds[60] and kinds[75] == {"CPU-bound"}
+
+
 def test_lab_several_ranks_per_host_use_the_hierarchical_model() -> None:
     def row(series: str, servers: int = 0) -> Row:
         r = _row(series, 8, S, 1.0, servers)

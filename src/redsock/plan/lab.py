@@ -5,8 +5,10 @@ ranks per host, reducers, link rate and goodput as the testbed recorded them) wi
 and classifies each row:
 
 * ``CPU-bound``: more processes work for the series than 4 per core (reproduce's own rule,
-  counted per series: ranks, plus reducers for the reducer series).  The model still predicts
-  the link-bound time there; the shortfall measures this 2-core machine, not the network.
+  counted per series: ranks, plus reducers for the reducer series), or the run kept the whole
+  machine at least :data:`BUSY_LIMIT` busy (the benchmark's own CPU line in its log).  The
+  model still predicts the link-bound time there; the shortfall measures this 2-core machine,
+  not the network.
 * ``link-bound``: the busiest NIC accounts for at least :data:`LINK_SHARE` of the predicted
   time.  These rows are held to :data:`TOLERANCE`.
 * ``latency-bound``: the rest (small messages): per-message costs on 2 shared cores.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,12 +35,16 @@ from . import model
 from .model import Cluster
 from .profile import Profile
 
-__all__ = ["LINK_SHARE", "TOLERANCE", "Check", "DdpCheck", "check_rows", "ddp_checks", "ddp_markdown", "load_lab",
+__all__ = ["BUSY_LIMIT", "LINK_SHARE", "TOLERANCE", "Check", "DdpCheck", "check_rows", "ddp_checks", "ddp_markdown", "load_lab",
            "markdown", "summary"]
 
 TOLERANCE = 0.15
 LINK_SHARE = 0.9
 PROCS_PER_CORE = 4  #: reproduce flags a step CPU-bound above 4 processes per core
+#: A run that kept the machine this busy measured its cores, not its links (the lab's rule).
+BUSY_LIMIT = 0.75
+#: The testbed benchmark's CPU line: "...; whole machine busy 87% (includes anything else running)"
+_BUSY_RE = re.compile(r"whole machine busy (\d+)%")
 #: reproduce's series -> the model's algorithm
 SERIES_ALGO = {"gloo": "gloo", "ring": "ring", "ring1": "ring", "server": "reducers", "auto": "rd",
                "gloo2": "gloo", "auto-servers": "reducers", "auto-ring": "ring"}
@@ -79,22 +86,33 @@ def load_lab(results_dir: str | Path) -> list[Row]:
     known = {s.key: s for s in reproduce.make_plan(every_n, results_dir, "lab")}
     rows: list[Row] = []
     for path in sorted(results_dir.glob("*.jsonl")):
-        step = known.get(path.stem)
-        if step is not None:
-            if step.section in ("allreduce", "latency", "multirank"):
-                rows += reproduce.load_data(step, path)
-            continue
-        # Another benchmark's rows (e.g. several ranks per host): all-reduce rows with a testbed
-        # layout count, their algo naming the series.
-        try:
-            found = report.read_json(path)
-        except (ConfigError, KeyError, TypeError, ValueError):
-            continue  # not all-reduce rows (transport, DDP)
-        rows += [dataclasses.replace(r, extra={**r.extra, "series": r.extra.get("series", r.algo)})
-                 for r in found if r.coll == "allreduce" and "testbed" in r.extra and "perflow" not in path.stem]
+        busy = _machine_busy(path)
+        rows += [r if busy is None else dataclasses.replace(r, extra={**r.extra, "machine_busy": busy})
+                 for r in _load_rows(path, known.get(path.stem))]
     if not rows:
         raise ConfigError(f"no all-reduce results (allreduce-n*.jsonl, ...) in {results_dir}")
     return rows
+
+
+def _machine_busy(jsonl: Path) -> float | None:
+    """How busy the machine was over the run that wrote ``jsonl`` (its log beside it), 0..1."""
+    log = jsonl.with_suffix(".log")
+    found = _BUSY_RE.findall(log.read_text(errors="replace")) if log.is_file() else []
+    return max(map(int, found)) / 100 if found else None
+
+
+def _load_rows(path: Path, step: Any) -> list[Row]:
+    """The all-reduce rows of one file: a reproduce step's, or another benchmark's."""
+    if step is not None:
+        return reproduce.load_data(step, path) if step.section in ("allreduce", "latency", "multirank") else []
+    # Another benchmark's rows (e.g. several ranks per host): all-reduce rows with a testbed
+    # layout count, their algo naming the series.
+    try:
+        found = report.read_json(path)
+    except (ConfigError, KeyError, TypeError, ValueError):
+        return []  # not all-reduce rows (transport, DDP)
+    return [dataclasses.replace(r, extra={**r.extra, "series": r.extra.get("series", r.algo)})
+            for r in found if r.coll == "allreduce" and "testbed" in r.extra and "perflow" not in path.stem]
 
 
 def _layout(r: Row) -> tuple[Cluster, float]:
@@ -129,7 +147,7 @@ def check_rows(rows: list[Row], profile: Profile, cores: int | None = None) -> l
         p = profile if goodput == profile.goodput_factor else _with(profile, goodput_factor=goodput)
         pred = model.predict(algo, cluster, r.bytes, p)
         procs = r.world + (cluster.reducers if algo in model.REDUCER_ALGORITHMS else 0)
-        if procs > PROCS_PER_CORE * cores:
+        if procs > PROCS_PER_CORE * cores or r.extra.get("machine_busy", 0.0) >= BUSY_LIMIT:
             kind = "CPU-bound"
         elif pred.link_share >= LINK_SHARE:
             kind = "link-bound"
@@ -261,7 +279,8 @@ def results_section(results_dir: str | Path, profile: Profile, cores: int | None
          "+ the reducers' drain; bytes per host NIC as in DESIGN.md section 7; payload = line rate x goodput "
          f"factor) and the profile \"{profile.source}\". Nothing is fitted to these rows. Each point is classed "
          f"before comparing: **CPU-bound** where more than {PROCS_PER_CORE} processes per core work for the series "
-         "(ranks, plus reducers for the reducer series), **link-bound** where the NICs account for at least "
+         f"(ranks, plus reducers for the reducer series) or the run kept the machine at least {BUSY_LIMIT:.0%} busy "
+         "(its log's CPU line), **link-bound** where the NICs account for at least "
          f"{LINK_SHARE:.0%} of the predicted time, **latency-bound** otherwise. Link-bound points are held to "
          f"{TOLERANCE:.0%}; elsewhere the model gives the link-bound time and is not judged. `error` = predicted / "
          "measured - 1 (negative: the lab was slower than the model)."),

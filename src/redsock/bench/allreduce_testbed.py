@@ -45,7 +45,7 @@ from ..testbed import netns as nx
 from ..testbed.cluster import PROFILES, Testbed
 from ..testbed.netns import format_rate, parse_rate
 from . import report
-from .testbed_launch import (GOODPUT_FACTOR, SERVER_PORT, Proc, box_cpu, host_nic_factor, proc_status,
+from .testbed_launch import (GOODPUT_FACTOR, cpu_line, SERVER_PORT, Proc, box_cpu, host_nic_factor, proc_status,
                              set_congestion_control, start_ranks, start_servers, stop, tail, tcp_counters, tcp_delta,
                              tcp_line, wait_ranks)
 
@@ -325,8 +325,5 @@ def _report(args: argparse.Namespace, tb: Testbed, ranks: list[Proc], servers: l
     rank_cpu = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
     server_cpu = sum(s.info.get("cpu_s", 0.0) for s in servers)
     busy = (box1[0] - box0[0]) / max(1, box1[1] - box0[1])
-    ncpu = os.cpu_count() or 1
-    print(f"# CPU over {wall:.1f} s: ranks {rank_cpu:.1f} s, reducers {server_cpu:.1f} s "
-          f"(= {100 * (rank_cpu + server_cpu) / (wall * ncpu):.0f}% of {ncpu} cores); "
-          f"whole machine busy {100 * busy:.0f}% (includes anything else running)")
+    print(cpu_line(wall, rank_cpu, server_cpu, busy))
     return rc

@@ -50,7 +50,7 @@ from ..config import parse_size
 from ..errors import ConfigError, RedsockError
 from ..testbed.netns import format_rate, parse_rate
 from . import report
-from .testbed_launch import GOODPUT_FACTOR, host_nic_factor, tail
+from .testbed_launch import CPU_SHARE_RE, GOODPUT_FACTOR, host_nic_factor, tail
 from .procs import stop_processes
 
 __all__ = [
@@ -74,8 +74,6 @@ SERIES_LABELS = {
 #: The algorithm between hosts of a hierarchical series, in words.
 _INTER = {"server": "reducers", "ring": "ring", "small": "recursive doubling", "none": "nothing"}
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
-#: The testbed benchmark's CPU line: "... ranks 21.0 s, reducers 3.2 s (= 35% of 2 cores) ..."
-_CPU_RE = re.compile(r"\(= (\d+)% of \d+ cores\)")
 _RESULTS = "results"
 #: Why the per-flow all-reduce is opt-in.
 PERFLOW_CAVEAT = (
@@ -1227,7 +1225,7 @@ def run_step(step: Step, results_dir: Path, python: str = sys.executable) -> Ste
     wall = time.monotonic() - t0
     rc = proc.returncode
     result = StepResult(step, status, rc, wall)
-    m = _CPU_RE.findall(log.read_text(errors="replace"))
+    m = CPU_SHARE_RE.findall(log.read_text(errors="replace"))
     result.cpu_pct = max(map(int, m)) if m else None
     if json_path.exists() and json_path.stat().st_size:
         try:

@@ -11,6 +11,7 @@ retransmission counters, and the bytes an all-reduce puts through a host's link
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -67,6 +68,21 @@ class Proc:
     proc: subprocess.Popen[Any]
     log: Path
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def cpu_line(wall_s: float, rank_cpu_s: float, server_cpu_s: float, busy: float) -> str:
+    """The testbed benchmarks' CPU line; reproduce and ``plan --lab`` read it back from their
+    logs with :data:`CPU_SHARE_RE` and :data:`MACHINE_BUSY_RE`."""
+    ncpu = os.cpu_count() or 1
+    return (f"# CPU over {wall_s:.1f} s: ranks {rank_cpu_s:.1f} s, reducers {server_cpu_s:.1f} s "
+            f"(= {100 * (rank_cpu_s + server_cpu_s) / (wall_s * ncpu):.0f}% of {ncpu} cores); "
+            f"whole machine busy {100 * busy:.0f}% (includes anything else running)")
+
+
+#: In :func:`cpu_line`: the CPU the benchmark's own processes used, % of all cores.
+CPU_SHARE_RE = re.compile(r"\(= (\d+)% of \d+ cores\)")
+#: In :func:`cpu_line`: how busy the whole machine was, %.
+MACHINE_BUSY_RE = re.compile(r"whole machine busy (\d+)%")
 
 
 def tail(path: Path, n: int = 3000) -> str:

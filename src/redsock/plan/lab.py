@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,21 +29,20 @@ from typing import Any
 from ..bench import reproduce
 from ..bench import report
 from ..bench.report import Row, human_size
+from ..bench.testbed_launch import MACHINE_BUSY_RE
 from ..errors import ConfigError
 from . import model
 from .model import Cluster
 from .profile import Profile
 
-__all__ = ["BUSY_LIMIT", "LINK_SHARE", "TOLERANCE", "Check", "DdpCheck", "check_rows", "ddp_checks", "ddp_markdown", "load_lab",
-           "markdown", "summary"]
+__all__ = ["BUSY_LIMIT", "LINK_SHARE", "TOLERANCE", "Check", "DdpCheck", "check_rows", "ddp_checks", "ddp_markdown",
+           "load_lab", "markdown", "summary"]
 
 TOLERANCE = 0.15
 LINK_SHARE = 0.9
 PROCS_PER_CORE = 4  #: reproduce flags a step CPU-bound above 4 processes per core
 #: A run that kept the machine this busy measured its cores, not its links (the lab's rule).
 BUSY_LIMIT = 0.75
-#: The testbed benchmark's CPU line: "...; whole machine busy 87% (includes anything else running)"
-_BUSY_RE = re.compile(r"whole machine busy (\d+)%")
 #: reproduce's series -> the model's algorithm
 SERIES_ALGO = {"gloo": "gloo", "ring": "ring", "ring1": "ring", "server": "reducers", "auto": "rd",
                "gloo2": "gloo", "auto-servers": "reducers", "auto-ring": "ring"}
@@ -97,7 +95,7 @@ def load_lab(results_dir: str | Path) -> list[Row]:
 def _machine_busy(jsonl: Path) -> float | None:
     """How busy the machine was over the run that wrote ``jsonl`` (its log beside it), 0..1."""
     log = jsonl.with_suffix(".log")
-    found = _BUSY_RE.findall(log.read_text(errors="replace")) if log.is_file() else []
+    found = MACHINE_BUSY_RE.findall(log.read_text(errors="replace")) if log.is_file() else []
     return max(map(int, found)) / 100 if found else None
 
 

@@ -137,8 +137,8 @@ class ReduceOp(enum.Enum):
     def from_code(cls, code: int) -> ReduceOp:
         """Decode a wire code; :class:`ProtocolError` for an unknown one."""
         try:
-            return cls(code)
-        except ValueError:
+            return _OP_OF_CODE[code]  # a dict lookup: the reducer decodes one per record
+        except (KeyError, TypeError):
             raise ProtocolError(f"unknown reduction op code {code!r} on the wire") from None
 
     @classmethod
@@ -161,6 +161,7 @@ class ReduceOp(enum.Enum):
 _OP_OF_NAME: dict[str, ReduceOp] = {
     **{op.name.lower(): op for op in ReduceOp}, "mean": ReduceOp.AVG, "product": ReduceOp.PROD,
 }
+_OP_OF_CODE: dict[int, ReduceOp] = {op.value: op for op in ReduceOp}
 # avg accumulates a sum and divides in finalize().
 _UFUNC: dict[ReduceOp, np.ufunc] = {
     ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.MIN: np.minimum,
@@ -268,6 +269,11 @@ def init_acc(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
+def ufunc_of(op: ReduceOp | str) -> np.ufunc:
+    """The ufunc that combines two contributions under ``op`` (``avg`` adds)."""
+    return _UFUNC[ReduceOp.parse(op)]
+
+
 def combine(acc: np.ndarray, x: np.ndarray, op: ReduceOp | str) -> None:
     """``acc = acc (op) x`` in place (``avg`` adds).
 
@@ -277,7 +283,7 @@ def combine(acc: np.ndarray, x: np.ndarray, op: ReduceOp | str) -> None:
     contributions are widened in L2-sized blocks. Raises :class:`ConfigError` on a
     dtype/shape mismatch or an unknown op.
     """
-    ufunc = _UFUNC[ReduceOp.parse(op)]
+    ufunc = ufunc_of(op)
     _check_pair(acc, x, "combine")
     if acc.dtype == x.dtype or not _blocked(acc, x):
         ufunc(acc, x, out=acc)  # for a 16-bit x numpy widens it exactly on the fly

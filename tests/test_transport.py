@@ -574,3 +574,22 @@ def test_same_host_profile_options_are_checked():
     with pytest.raises(ConfigError, match="local_nsocks"):
         Config(local_nsocks=17)
     assert Config.from_env({"REDSOCK_LOCAL_NSOCKS": "0"}).local_nsocks == 0
+
+
+def test_adaptive_spin_stops_while_answers_are_slow_and_returns_when_they_are_quick():
+    """The waiter spins while answers usually come within the spin, and not while they do not
+    (more ranks than cores: spinning only delays the processes that are to answer)."""
+    from redsock.transport.connection import AdaptiveSpin
+
+    spin = AdaptiveSpin(100e-6)
+    assert spin.budget() == 100e-6  # a new connection spins
+    for _ in range(8):
+        spin.record(600e-6)  # answers come after 600 us
+    assert spin.budget() == 0.0
+    assert spin.usual_s <= 200e-6  # a long wait counts as twice the spin: quick to come back
+    for _ in range(8):
+        spin.record(20e-6)
+    assert spin.budget() == 100e-6
+    spin.record(5.0)  # one long wait (a peer busy elsewhere) does not stop the spinning
+    assert spin.budget() == 100e-6
+    assert AdaptiveSpin(0.0).budget() == 0.0

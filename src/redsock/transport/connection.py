@@ -3,7 +3,7 @@
 * Messages up to the inline threshold travel header+payload in one ``sendmsg``
   on the control stream, from the caller's thread.  Whoever *waits* for an
   inline message reads the control stream itself (busy-polling for
-  ``spin_us`` before it blocks), so a small message costs no thread hop on
+  ``spin_us`` before it blocks, while that pays), so a small message costs no thread hop on
   either side.
 * Larger messages are queued for the data streams; each stream has a sender
   thread that pulls its next slice from the schedule (see :mod:`.schedule`)
@@ -166,6 +166,28 @@ class Handle:
         return f"<Handle {self.op} {self.nbytes}B tag={self.tag} seq={self.seq} {state}>"
 
 
+class AdaptiveSpin:
+    """How long a waiter busy-polls before it blocks: the configured spin while answers
+    usually come within it, none while they do not — with more ranks than cores, or a peer
+    busy elsewhere, spinning only takes the CPU from the processes that are to answer (4
+    ranks and a reducer on 2 cores, 8-byte all-reduce: 204-241 us of CPU per call and rank
+    with a 100 us spin, 192-215 us without)."""
+
+    __slots__ = ("spin_s", "usual_s")
+
+    def __init__(self, spin_s: float):
+        self.spin_s = spin_s
+        self.usual_s = 0.0  # running mean of recent waits
+
+    def budget(self) -> float:
+        return self.spin_s if self.usual_s <= self.spin_s else 0.0
+
+    def record(self, took_s: float) -> None:
+        # A long wait counts as twice the spin, so that a few of them stop the spinning
+        # and a few quick answers bring it back.
+        self.usual_s += (min(took_s, 2 * self.spin_s) - self.usual_s) / 8
+
+
 class _Unexpected:
     """A message that arrived before its receive was posted."""
 
@@ -208,6 +230,7 @@ class Connection:
         # Control stream, receive side: read by whichever waiter holds the lock.
         self._ctrl_rx_lock = threading.Lock()
         self._crx_stage = bytearray(CTRL_STAGE_BYTES)
+        self._crx_view = memoryview(self._crx_stage)
         self._crx_lo = self._crx_hi = 0  # staged bytes not yet parsed
         self._crx_target: memoryview | None = None
         self._crx_tfilled = 0
@@ -216,7 +239,7 @@ class Connection:
         self._crx_abort = False
         self._ctrl_poll = select.poll()
         self._ctrl_poll.register(ctrl.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
-        self._spin_s = config.spin_us / 1e6
+        self._spin = AdaptiveSpin(config.spin_us / 1e6)
         # Control stream, send side: direct from the caller unless a backlog exists.
         self._ctrl_tx_lock = threading.Lock()
         self._ctrl_tx_cv = threading.Condition(self._ctrl_tx_lock)
@@ -510,7 +533,14 @@ class Connection:
 
     def _wait_inline(self, h: Handle, deadline: float) -> None:
         """Read the control stream ourselves until ``h`` is done: no thread hop."""
-        spin_until = time.perf_counter() + self._spin_s
+        start = time.perf_counter()
+        spin_s = self._spin.budget()
+        try:
+            self._read_until(h, deadline, spin_s, start + spin_s)
+        finally:
+            self._spin.record(time.perf_counter() - start)
+
+    def _read_until(self, h: Handle, deadline: float, spin_s: float, spin_until: float) -> None:
         while not h._done:
             if not self._ctrl_rx_lock.acquire(blocking=False):
                 h._block(0.0005)  # another waiter is reading; it completes us if ours comes
@@ -518,10 +548,14 @@ class Connection:
                     return
                 continue
             try:
+                # Not spinning, and nothing staged: ask the kernel first (a read that finds
+                # the socket empty costs more than the poll that says so).
+                read = spin_s > 0 or self._crx_hi > self._crx_lo
                 while not h._done:
-                    if self._pump_ctrl(until=h):
-                        spin_until = time.perf_counter() + self._spin_s
+                    if read and self._pump_ctrl(until=h):
+                        spin_until = time.perf_counter() + spin_s
                         continue
+                    read = True
                     if time.perf_counter() < spin_until:
                         # Busy-poll: the reply is usually microseconds away.  Yielding keeps a
                         # spinning rank from starving the one it waits for when cores are shared.
@@ -598,23 +632,30 @@ class Connection:
         Reads go through a small staging buffer, so one ``recv`` usually brings a whole
         small record (header and payload); payloads larger than what is staged continue
         straight into their buffer."""
-        sock, stage = self._ctrl, self._crx_stage
+        sock, stage, view = self._ctrl, self._crx_stage, self._crx_view
         progressed = False
         while True:
             target = self._crx_target
             if target is None:
                 lo, hi = self._crx_lo, self._crx_hi
                 if hi - lo >= wire.CTRL_SIZE:
-                    self._crx_lo = lo + wire.CTRL_SIZE
                     progressed = True
-                    self._start_ctrl_record(memoryview(stage)[lo:lo + wire.CTRL_SIZE])
+                    body = lo + wire.CTRL_SIZE
+                    rec = wire.decode_ctrl(view[lo:body], max(self.inline_bytes, 0))
+                    if body + rec.length <= hi and rec.type is wire.RecordType.INLINE:
+                        # The whole message is staged (a small one usually is): deliver it at once.
+                        self._crx_lo = body + rec.length
+                        self._deliver_staged(rec, view[body:body + rec.length])
+                    else:
+                        self._crx_lo = body
+                        self._start_ctrl_record(rec)
                     continue
                 if until is not None and until._done and lo == hi:
                     return True
                 if lo:  # keep a partial header at the front
                     stage[:hi - lo] = stage[lo:hi]
                     self._crx_lo, self._crx_hi = 0, hi - lo
-                n = read_available(sock, memoryview(stage)[self._crx_hi:])
+                n = read_available(sock, view[self._crx_hi:])
                 if n is None:
                     return progressed
                 self._crx_hi += n
@@ -625,7 +666,7 @@ class Connection:
                 staged = self._crx_hi - self._crx_lo
                 if staged:
                     n = min(want, staged)
-                    target[filled:filled + n] = memoryview(stage)[self._crx_lo:self._crx_lo + n]
+                    target[filled:filled + n] = view[self._crx_lo:self._crx_lo + n]
                     self._crx_lo += n
                 else:
                     n = read_available(sock, target[filled:])
@@ -636,8 +677,25 @@ class Connection:
                 if n == want:
                     self._finish_ctrl_record()
 
-    def _start_ctrl_record(self, header: memoryview) -> None:
-        rec = wire.decode_ctrl(header, max(self.inline_bytes, 0))
+    def _deliver_staged(self, rec: wire.CtrlRecord, payload: memoryview) -> None:
+        """An inline message that arrived whole: into its posted receive in one step."""
+        key = (rec.tag, rec.seq)
+        with self._lock:
+            h = self._posted.get(key)
+            if h is not None and h.nbytes == rec.length and h.check == rec.check:
+                del self._posted[key]
+            else:
+                h = None
+        if h is None:  # not posted yet, or mismatched: the general path keeps it or says why
+            owner, target = self._message_target(rec.tag, rec.seq, rec.length, 0, rec.length, rec.check)
+            target[:] = payload
+            self._delivered(key, owner, rec.length)
+            return
+        h.view[:] = payload
+        h.got = h.nbytes
+        h._complete()
+
+    def _start_ctrl_record(self, rec: wire.CtrlRecord) -> None:
         self._crx_abort = rec.type == wire.RecordType.ABORT
         if self._crx_abort:
             self._crx_owner = None

@@ -68,13 +68,19 @@ class Piece:
     ranks_in: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def __post_init__(self) -> None:
+        self.nbytes = self.count * self.dtype.itemsize
+        # Contributions combine with one ufunc call when they need no widening (a small
+        # piece's whole cost is a few such calls); 16-bit ones go through ops.combine.
+        self._ufunc = ops.ufunc_of(self.op) if ops.accum_dtype(self.dtype) == self.dtype else None
+
     def add(self, rank: int, contribution: np.ndarray) -> np.ndarray | None:
         """Combine ``contribution`` (a pooled buffer, now owned by the piece) from ``rank``.
 
         Returns the reduced piece (a pooled buffer in the workers' dtype) once every rank
         has contributed, else None.
         """
-        x = contribution[: self.count * self.dtype.itemsize].view(self.dtype)
+        x = contribution[: self.nbytes].view(self.dtype)
         with self.lock:
             if rank in self.ranks_in:
                 raise ProtocolError(f"rank {rank} contributed to the same piece twice")
@@ -84,7 +90,7 @@ class Piece:
                 self.waiting[rank] = contribution
                 while self.next_rank in self.waiting:
                     buf = self.waiting.pop(self.next_rank)
-                    self._combine(buf[: self.count * self.dtype.itemsize].view(self.dtype))
+                    self._combine(buf[: self.nbytes].view(self.dtype))
                     self.pool.give(buf)
                     self.next_rank += 1
             else:
@@ -96,7 +102,7 @@ class Piece:
             assert acc is not None
             if acc.dtype == self.dtype and self.op is not ops.ReduceOp.AVG:
                 return acc.view(np.uint8)  # already the result: finalize would copy it onto itself
-            out_buf = self.pool.take(self.count * self.dtype.itemsize)
+            out_buf = self.pool.take(self.nbytes)
             ops.finalize(acc, self.op, self.world, out_buf.view(self.dtype))
             self.pool.give(acc)
             return out_buf
@@ -105,6 +111,8 @@ class Piece:
         if self.acc is None:
             wide = ops.accum_dtype(self.dtype)
             self.acc = ops.init_acc(x, self.pool.take(self.count * wide.itemsize).view(wide))
+        elif self._ufunc is not None:
+            self._ufunc(self.acc, x, out=self.acc)
         else:
             ops.combine(self.acc, x, self.op)
 

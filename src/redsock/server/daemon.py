@@ -237,10 +237,9 @@ class ReductionServer:
         """Add ``buf`` (a pooled buffer, now the round's) to piece ``p``; send the result if complete."""
         rnd = entry.round
         piece = rnd.pieces.get(p)
-        if piece is None or buf.nbytes != piece.count * piece.dtype.itemsize:
+        if piece is None or buf.nbytes != piece.nbytes:
             self.pool.give(buf)
-            what = "is not this reducer's" if piece is None else f"is {buf.nbytes} bytes, expected " \
-                                                                  f"{piece.count * piece.dtype.itemsize}"
+            what = "is not this reducer's" if piece is None else f"is {buf.nbytes} bytes, expected {piece.nbytes}"
             raise ProtocolError(f"{link.peer}: piece {p} of all-reduce #{op_seq} {what}")
         entry.left -= 1
         if entry.left == 0:

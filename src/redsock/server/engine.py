@@ -163,8 +163,18 @@ class Link:
             if target is None:
                 lo, hi = self._lo, self._hi
                 if hi - lo >= wire.CTRL_SIZE:
-                    self._lo = lo + wire.CTRL_SIZE
-                    self._start_record(sview[lo:lo + wire.CTRL_SIZE])
+                    body = lo + wire.CTRL_SIZE
+                    rec = wire.decode_ctrl(sview[lo:body], max(self.inline_bytes, wire.ANNOUNCE_SIZE))
+                    end = body + rec.length
+                    if end <= hi and rec.type is wire.RecordType.INLINE:
+                        # The whole message is staged (a small one usually is): take it at once.
+                        self._lo = end
+                        buf = self._message_buffer(rec.tag, rec.seq, rec.length)
+                        memoryview(buf)[:] = sview[body:end]
+                        self._message(rec.tag, rec.seq, buf)
+                    else:
+                        self._lo = body
+                        self._start_record(rec)
                     continue
                 if drained:
                     return
@@ -195,8 +205,7 @@ class Link:
             if n == want:
                 self._end_record()
 
-    def _start_record(self, header: memoryview) -> None:
-        rec = wire.decode_ctrl(header, max(self.inline_bytes, wire.ANNOUNCE_SIZE))
+    def _start_record(self, rec: wire.CtrlRecord) -> None:
         self._crec, self._cgot = rec, 0
         if rec.type == wire.RecordType.ABORT:
             self._cbuf = bytearray(rec.length)
@@ -219,6 +228,10 @@ class Link:
         """A whole message arrived (inline or in slices)."""
         if tag != wire.ANNOUNCE_TAG:
             self.handler.on_piece(self, tag, buf)  # type: ignore[arg-type]
+            return
+        if seq == self.announces and not self._announce_early:  # in turn, as nearly always
+            self.announces += 1
+            self.handler.on_announce(self, memoryview(buf))
             return
         if seq < self.announces or seq in self._announce_early or len(self._announce_early) >= self.max_early:
             raise ProtocolError(f"{self.peer} sent announce #{seq} out of turn (expected #{self.announces})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -51,14 +52,19 @@ def test_launcher_says_which_rank_failed():
     assert "redsock: rank 0 exited with status" in r.stderr or "redsock: rank 1 exited with status" in r.stderr
 
 
-def test_checked_sweep_over_blocks_reports_zero_wrong(monkeypatch):
-    """A sweep whose sizes span several check blocks, end to end on 3 local ranks."""
+def test_checked_sweep_over_blocks_reports_zero_wrong(monkeypatch, tmp_path):
+    """A sweep whose sizes span several check blocks, end to end on 3 local ranks; each row
+    records the share of the cores its ranks used while it was timed."""
     monkeypatch.setenv("REDSOCK_TIMEOUT_S", "60")
+    out = tmp_path / "rows.jsonl"
     r = subprocess.run([sys.executable, "-m", "redsock", "bench", "allreduce", "--nprocs", "3", "-b", "4M", "-e", "32M",
                         "-f", "8", "-d", "float16", "-o", "sum", "--algo", "auto", "--check", "-n", "1", "-w", "0",
-                        "--no-progress"], capture_output=True, text=True, timeout=300)
+                        "--no-progress", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "# check: 0 wrong elements over 2 rows" in r.stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    # 3 ranks busy reducing, each with at most every core: above nothing, below 3 machines' worth
+    assert len(rows) == 2 and all(0 < row["extra"]["ranks_busy"] <= 3 for row in rows)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64"])

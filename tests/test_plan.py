@@ -225,6 +225,20 @@ def test_lab_classes_a_run_that_kept_the_machine_busy_as_cpu_bound(tmp_path: Pat
     assert "link-bound" in kinds[60] and kinds[75] == {"CPU-bound"}
 
 
+def test_lab_classes_a_point_whose_ranks_kept_the_cores_busy_as_cpu_bound() -> None:
+    """A run's CPU line averages over every size: a point whose own ranks kept the cores 75%
+    busy while it was timed (``ranks_busy``, per row) is CPU-bound even in a quiet run."""
+    link = predict("gloo", Cluster(4, 1, 1e9), S, DEFAULT).seconds
+
+    def row(busy: float) -> Row:
+        r = _row("server", 4, S, link * 2, servers=4)
+        return dataclasses.replace(r, extra={**r.extra, "ranks_busy": busy, "machine_busy": 0.5})
+
+    checks = lab.check_rows([row(0.74), row(0.75)], DEFAULT, cores=2)
+    assert [c.kind for c in checks] == ["link-bound", "CPU-bound"]
+    assert [c.ok for c in checks] == [False, None]
+
+
 def test_lab_several_ranks_per_host_use_the_hierarchical_model() -> None:
     def row(series: str, servers: int = 0) -> Row:
         r = _row(series, 8, S, 1.0, servers)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -179,6 +178,16 @@ def _time_back_to_back(fn, x: np.ndarray, iters: int, comm) -> list[float]:
     return per_call.tolist()
 
 
+def _ranks_busy(comm, cpu_s: float, wall_s: float) -> float:
+    """The share of this machine's cores the ranks used while one row was timed (all ranks'
+    CPU over the slowest one's wall time): a row whose ranks alone keep the cores busy
+    measures the CPU, not the network (``plan --lab`` classes it so)."""
+    both = np.array([cpu_s, wall_s])
+    comm.all_reduce(both[:1], "sum", algorithm="small")
+    comm.all_reduce(both[1:], "max", algorithm="small")
+    return round(float(both[0] / max(both[1], 1e-9) / (os.cpu_count() or 1)), 3)
+
+
 def run_rank(args: argparse.Namespace) -> int:
     from .. import api
     from ..bootstrap import store_from_env
@@ -210,9 +219,12 @@ def run_rank(args: argparse.Namespace) -> int:
                     fn = lambda x, algo=algo: comm.all_reduce(x, op, algorithm=None if algo == "auto" else algo)  # noqa: E731
                 x = timing_input(count, dtype, op, rank)
                 warm, iters = _iters_for(nbytes, args)
+                cpu0, wall0 = time.process_time(), time.perf_counter()
                 times = _time_algo(fn, x, warm, iters, comm, args.back_to_back)
+                busy = _ranks_busy(comm, time.process_time() - cpu0, time.perf_counter() - wall0)
                 wrong = _check(fn, count, dtype, op, rank, world, comm) if args.check else -1
                 extra = route(comm, nbytes, algo) if algo != "gloo" else {"scheme": "flat", "inter": "ring"}
+                extra["ranks_busy"] = busy
                 rows.append(report.Row.from_times("gloo" if algo == "gloo" else "redsock", algo, world, nbytes,
                                                   count, dtype.name, op.name.lower(), times, wrong, extra=extra))
                 progress.advance(f"{algo} {nbytes} B")
@@ -307,13 +319,17 @@ class _progress:
 
 def launch_local(nprocs: int, argv: list[str], timeout_s: float) -> int:
     """Start ``nprocs`` ranks on this machine, like torchrun --nproc-per-node, and wait."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    # The ranks' store lives here, on a port the kernel picked, as torchrun's agent hosts it: a
+    # port found free and closed again for rank 0 to bind could be taken in between.
+    store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
     procs = []
     for r in range(nprocs):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(r),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "true"}
         procs.append(subprocess.Popen([sys.executable, "-m", "redsock", *argv], env=env))
     deadline = time.monotonic() + timeout_s
     codes: list[int | None] = [None] * nprocs
@@ -330,6 +346,7 @@ def launch_local(nprocs: int, argv: list[str], timeout_s: float) -> int:
             time.sleep(0.05)
     finally:
         stop_processes(procs)
+        del store  # closes its server
     failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]  # before we stopped anyone
     for i, code in failed:
         print(f"redsock: rank {i} {_exit_reason(code)}", file=sys.stderr)

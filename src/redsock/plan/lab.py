@@ -6,7 +6,8 @@ and classifies each row:
 
 * ``CPU-bound``: more processes work for the series than 4 per core (reproduce's own rule,
   counted per series: ranks, plus reducers for the reducer series), or the run kept the whole
-  machine at least :data:`BUSY_LIMIT` busy (the benchmark's own CPU line in its log).  The
+  machine at least :data:`BUSY_LIMIT` busy (the benchmark's own CPU line in its log), or the
+  row's ranks alone did while it was timed (``ranks_busy``, recorded per row).  The
   model still predicts the link-bound time there; the shortfall measures this 2-core machine,
   not the network.
 * ``link-bound``: the busiest NIC accounts for at least :data:`LINK_SHARE` of the predicted
@@ -145,7 +146,8 @@ def check_rows(rows: list[Row], profile: Profile, cores: int | None = None) -> l
         p = profile if goodput == profile.goodput_factor else _with(profile, goodput_factor=goodput)
         pred = model.predict(algo, cluster, r.bytes, p)
         procs = r.world + (cluster.reducers if algo in model.REDUCER_ALGORITHMS else 0)
-        if procs > PROCS_PER_CORE * cores or r.extra.get("machine_busy", 0.0) >= BUSY_LIMIT:
+        busy = max(r.extra.get("machine_busy", 0.0), r.extra.get("ranks_busy", 0.0))
+        if procs > PROCS_PER_CORE * cores or busy >= BUSY_LIMIT:
             kind = "CPU-bound"
         elif pred.link_share >= LINK_SHARE:
             kind = "link-bound"
@@ -278,7 +280,8 @@ def results_section(results_dir: str | Path, profile: Profile, cores: int | None
          f"factor) and the profile \"{profile.source}\". Nothing is fitted to these rows. Each point is classed "
          f"before comparing: **CPU-bound** where more than {PROCS_PER_CORE} processes per core work for the series "
          f"(ranks, plus reducers for the reducer series) or the run kept the machine at least {BUSY_LIMIT:.0%} busy "
-         "(its log's CPU line), **link-bound** where the NICs account for at least "
+         "(its log's CPU line) or the point's ranks alone did while it was timed, **link-bound** where the NICs "
+         "account for at least "
          f"{LINK_SHARE:.0%} of the predicted time, **latency-bound** otherwise. Link-bound points are held to "
          f"{TOLERANCE:.0%}; elsewhere the model gives the link-bound time and is not judged. `error` = predicted / "
          "measured - 1 (negative: the lab was slower than the model)."),

@@ -582,3 +582,33 @@ def test_finalize_into_a_view_of_the_same_memory_skips_the_copy_but_not_a_shifte
     assert not _same_memory(a, shifted) and not _same_memory(a, buf[2:8].view(np.int32))
     ops.finalize(a, "sum", 4, shifted)
     assert np.array_equal(buf, np.array([0, 1, 2, 2, 3, 4, 5, 6, 7, 9], np.float32))
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("skew", [0, 8, 16, 48, 2048, 4080])
+def test_copy_is_bitwise_at_every_page_offset(name: str, skew: int) -> None:
+    """ops.copy takes another loop when the destination is a few bytes past the source modulo a
+    page (memcpy's slow case on AMD): every bit pattern (NaN payloads, -0.0) arrives unchanged,
+    whichever loop ran, and the bytes around the destination are untouched."""
+    d = dt(name)
+    count = (256 * 1024) // d.itemsize
+    src_mem = np.zeros(count * d.itemsize + 2 * 4096, np.uint8)
+    dst_mem = np.full(count * d.itemsize + 3 * 4096, 0xA5, np.uint8)
+    s0 = (-src_mem.ctypes.data) % 4096  # a page boundary inside each buffer
+    d0 = (-dst_mem.ctypes.data) % 4096 + skew
+    src = src_mem[s0:s0 + count * d.itemsize].view(d)
+    src.view(np.uint8)[:] = np.random.default_rng(skew).integers(0, 256, src.nbytes, dtype=np.uint8)
+    dst = dst_mem[d0:d0 + count * d.itemsize].view(d)
+    ops.copy(dst, src)
+    assert dst.tobytes() == src.tobytes()
+    assert (dst_mem[:d0] == 0xA5).all() and (dst_mem[d0 + dst.nbytes:] == 0xA5).all()
+
+
+def test_copy_of_strided_or_converting_arrays_is_an_assignment() -> None:
+    x = np.arange(2 * 65536, dtype=np.float32)
+    out = np.empty(65536, np.float32)
+    ops.copy(out, x[::2])
+    np.testing.assert_array_equal(out, x[::2])
+    wide = np.empty(65536, np.float64)
+    ops.copy(wide, x[1::2])
+    np.testing.assert_array_equal(wide, x[1::2])

@@ -5,7 +5,7 @@ it as soon as all have attached: from then on the memory lives only in the mappi
 exit (normal, exception or kill -9) leaves anything behind.
 
 Layout: a header with one cache line per local rank (its step counter and the signature of
-its current call) and a failure note, then two halves of ``region_bytes`` per local rank
+its current call) and a failure note, then (from half a page further) two halves of ``region_bytes`` per local rank
 (a collective alternates between the halves, so a rank may write its next piece while its
 peers still read the previous one).
 
@@ -48,6 +48,10 @@ _FAIL_WORD = MAX_LOCAL_RANKS * _LINE_WORDS  # 1 once a rank wrote its failure no
 _NOTE_LEN_WORD = _FAIL_WORD + 1
 _NOTE_OFFSET = (_NOTE_LEN_WORD + 1) * 8
 HEADER_BYTES = 4096
+#: The regions start half a page past a page boundary: buffers that numpy, torch or the pools
+#: allocate start within a few bytes of one, and copies between two addresses a few bytes
+#: apart modulo a page are memcpy's slow case on AMD (see :func:`redsock.ops.copy`).
+DATA_SKEW = 2048
 _NOTE_MAX = HEADER_BYTES - _NOTE_OFFSET
 #: Longest futex sleep before a waiter looks at its peers' pidfds again.
 DEATH_CHECK_S = 0.05
@@ -97,7 +101,7 @@ class LocalGroup:
         self.step = 0  # the last step this rank arrived at (the same sequence on every local rank)
         self._half = 0
         self._closed = False
-        nbytes = HEADER_BYTES + 2 * self.size * self.region_bytes
+        nbytes = HEADER_BYTES + DATA_SKEW + 2 * self.size * self.region_bytes
         self._mm, path = self._map(store, key, nbytes)
         self._words = memoryview(self._mm)[:HEADER_BYTES].cast("Q")
         self._bytes = np.frombuffer(self._mm, np.uint8)
@@ -164,7 +168,8 @@ class LocalGroup:
     def rows(self, half: int, dtype: np.dtype, count: int) -> np.ndarray:
         """Every local rank's region (one half) at once: row ``lr`` is ``local_rank``'s
         first ``count`` elements, viewed as ``dtype``."""
-        return np.ndarray((self.size, count), dtype, buffer=self._mm, offset=HEADER_BYTES + half * self.region_bytes,
+        return np.ndarray((self.size, count), dtype, buffer=self._mm,
+                          offset=HEADER_BYTES + DATA_SKEW + half * self.region_bytes,
                           strides=(2 * self.region_bytes, dtype.itemsize))
 
     # -- synchronisation ---------------------------------------------------------------

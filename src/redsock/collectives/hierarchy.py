@@ -10,7 +10,8 @@ All-reduce, piece by piece through the shared arena:
    final shard into its region;
 3. every local rank copies the final shards out.
 
-Between hosts the pieces are pipelined: every piece's shard starts its inter-host all-reduce
+On one host a rank's own shard skips the arena: it copies in the rest of its piece, and reads
+its own shard from its own buffer (:meth:`Hierarchy._all_reduce_local`).  Between hosts the pieces are pipelined: every piece's shard starts its inter-host all-reduce
 as soon as it is reduced, and the copies out wait for them in a second pass
 (:meth:`Hierarchy._all_reduce_pipelined`).
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -122,39 +123,63 @@ class Hierarchy:
     # -- collectives ----------------------------------------------------------------------
 
     def all_reduce(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
-        if self.nhosts > 1 and x.nbytes > WHOLE_MAX_BYTES:  # (every local rank decides alike)
+        if x.nbytes <= WHOLE_MAX_BYTES:  # (every local rank decides alike)
+            self._all_reduce_whole(ctx, x, op)
+        elif self.nhosts > 1:
             self._all_reduce_pipelined(ctx, x, op)
+        else:
+            self._all_reduce_local(ctx, x, op)
+
+    def _all_reduce_whole(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
+        """A small buffer in one piece: on one host every rank reduces all of it (one sync);
+        across hosts local rank 0 reduces it, all-reduces it with the other hosts' rank 0
+        from this thread, and the others copy the result."""
+        g, xf = self.local, flat(x)
+        views = g.rows(g.next_half(), x.dtype, xf.size)
+        ops.copy(views[g.me], xf)
+        g.sync(_signature(ctx), SPIN_SMALL_US, ctx.timeout_s)
+        if self.nhosts == 1:  # every rank reduces everything, in the same order
+            ops.reduce_rows(views, op, self.world, xf)
             return
+        if g.me == 0:
+            acc = _accumulate(views, op, ctx.scratch(xf.size, ops.accum_dtype(x.dtype)))
+            self._inter_all_reduce(acc, op, async_op=False)
+            ops.copy(views[0], ops.finalize(acc, op, self.world, xf))
+        g.sync(None, SPIN_SMALL_US, ctx.timeout_s)
+        if g.me != 0:
+            ops.copy(xf, views[0])
+
+    def _all_reduce_local(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
+        """One host, piece by piece: each rank copies its piece into its region but for its
+        own shard (only it reads that, from its own buffer), reduces its shard into that gap,
+        and copies every shard's result out.  Two syncs per piece: a piece's results are
+        read while they are still in the caches (one sync per piece, copying piece k-1's
+        results out after reducing piece k, measured slower at 16 MiB)."""
         g, xf = self.local, flat(x)
         me, dt = g.me, x.dtype
-        whole = x.nbytes <= WHOLE_MAX_BYTES
-        shards = 1 if whole else self.topology.shards
+        fast = ops.accum_dtype(dt) == dt and op is not ops.ReduceOp.AVG  # nothing to widen or divide
         sig = _signature(ctx)
-        for lo, hi in chunks(0, xf.size, max(1, LOCAL_PIECE_BYTES // dt.itemsize)):
-            n = hi - lo
-            views = g.rows(g.next_half(), dt, n)
-            ops.copy(views[me], xf[lo:hi])
-            g.sync(sig, SPIN_SMALL_US if whole else None, ctx.timeout_s)
+        for lo, hi in chunks(0, xf.size, LOCAL_PIECE_BYTES // dt.itemsize):
+            rows = g.rows(g.next_half(), dt, hi - lo)
+            bounds = partition(hi - lo, g.size)
+            a, b = bounds[me]
+            ops.copy(rows[me][:a], xf[lo:lo + a])
+            ops.copy(rows[me][b:], xf[lo + b:hi])
+            g.sync(sig, timeout_s=ctx.timeout_s)
             sig = None
-            if whole and self.nhosts == 1:  # every rank reduces everything, in the same order
-                ops.reduce_rows(views, op, self.world, xf[lo:hi])
-                continue
-            bounds = partition(n, shards)
-            if me < shards:  # the shard's result goes to the caller's buffer (its input is in the arena), then to peers
-                a, b = bounds[me]
-                mine = xf[lo + a:lo + b]
-                if self.inter is None and ops.accum_dtype(dt) == dt and op is not ops.ReduceOp.AVG:
-                    ops.reduce_rows(views[:, a:b], op, self.world, mine)  # nothing to widen or divide
-                else:
-                    acc = _reduce(views, a, b, op, ctx.scratch(b - a, ops.accum_dtype(dt)))
-                    if self.inter is not None:  # a small buffer: its single shard, from this thread
-                        self._inter_all_reduce(acc, op, async_op=False)
-                    ops.finalize(acc, op, self.world, mine)
-                ops.copy(views[me][a:b], mine)
-            g.sync(None, SPIN_SMALL_US if whole else None, ctx.timeout_s)
+            inputs = [v[a:b] for v in rows]
+            inputs[me] = xf[lo + a:lo + b]
+            result = rows[me][a:b]
+            if fast:
+                ufunc = ops.ufunc_of(op)
+                ufunc(inputs[0], inputs[1], out=result)
+                for v in inputs[2:]:
+                    ufunc(result, v, out=result)
+            else:
+                ops.finalize(_accumulate(inputs, op, ctx.scratch(b - a, ops.accum_dtype(dt))), op, self.world, result)
+            g.sync(None, timeout_s=ctx.timeout_s)
             for j, (a, b) in enumerate(bounds):
-                if j != me:
-                    ops.copy(xf[lo + a:lo + b], views[j][a:b])
+                ops.copy(xf[lo + a:lo + b], rows[j][a:b])
 
     def _all_reduce_pipelined(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
         """Between hosts, in two passes over the arena so that the network never waits for
@@ -180,7 +205,7 @@ class Hierarchy:
             sig = None
             if me < shards:
                 a, b = owned[i]
-                acc = _reduce(views, a, b, op, whole[offsets[i]:offsets[i + 1]])
+                acc = _accumulate([v[a:b] for v in views], op, whole[offsets[i]:offsets[i + 1]])
                 accs.append(acc)
                 works.append(self._inter_all_reduce(acc, op, async_op=True))
         for i, (lo, hi) in enumerate(pieces):
@@ -280,12 +305,10 @@ def _signature(ctx: CallContext) -> int:
     return ((ctx.seq + 1) << 16) | ctx.check
 
 
-def _reduce(views: np.ndarray, a: int, b: int, op: ops.ReduceOp, out: np.ndarray) -> np.ndarray:
-    """Elements [a, b) of every row combined in row order into ``out`` (the accumulation
-    dtype; the kernels of :mod:`redsock.ops`: blocked 16-bit widening pays off at these sizes)."""
-    acc = ops.init_acc(views[0][a:b], out)
-    for v in views[1:]:
-        ops.combine(acc, v[a:b], op)
+def _accumulate(rows: Sequence[np.ndarray], op: ops.ReduceOp, out: np.ndarray) -> np.ndarray:
+    """``rows`` combined in local-rank order into ``out`` (the accumulation dtype; the kernels
+    of :mod:`redsock.ops`: blocked 16-bit widening pays off at these sizes)."""
+    acc = ops.init_acc(rows[0], out)
+    for v in rows[1:]:
+        ops.combine(acc, v, op)
     return acc
-
-

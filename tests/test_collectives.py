@@ -139,3 +139,27 @@ def test_file_store_sets_whole_values_and_times_out_naming_the_key(tmp_path):
         a.get("missing")
     assert 0.3 <= time.monotonic() - t0 < 2
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == sorted(["blob", "late", "redsock%2F0%2Faddr%2F1"])
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 1000, 4096, 4097, 8191, 8192, 8193, 100_000, 1 << 20, (1 << 20) + 3])
+def test_ramped_pieces_cover_the_range_growing_then_shrinking(n):
+    """The hierarchy's pipeline pieces: contiguous, covering [start, end) exactly, none above the
+    largest, doubling from the smallest at the start and halving back at the end."""
+    from redsock.collectives.context import ramped_chunks
+
+    start, largest, smallest = 5, 4096, 512
+    pieces = ramped_chunks(start, start + n, largest, smallest)
+    assert pieces[0][0] == start and pieces[-1][1] == start + n
+    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    sizes = [hi - lo for lo, hi in pieces]
+    assert max(sizes) <= largest and (n == 0 or min(sizes) > 0)
+    k = 0  # the ramp: smallest, 2 x smallest, ... below largest, as long as it fits at both ends
+    while smallest << k < largest and 2 * (smallest * ((1 << (k + 1)) - 1)) <= n:
+        k += 1
+    head = [smallest << i for i in range(k)]
+    assert sizes[:k] == head and sizes[len(sizes) - k:] == head[::-1]
+    middle = sizes[k:len(sizes) - k]
+    if n - 2 * sum(head):
+        assert len(middle) == -(-(n - 2 * sum(head)) // largest) and max(middle) - min(middle) <= 1
+    if n >= 2 * (512 + 1024 + 2048):
+        assert k == 3

@@ -127,5 +127,24 @@ def chunks(start: int, end: int, per_chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + per_chunk, end)) for s in range(start, end, per_chunk)]
 
 
+def ramped_chunks(start: int, end: int, largest: int, smallest: int) -> list[tuple[int, int]]:
+    """Split [start, end) into pieces that double from ``smallest`` up to ``largest`` elements
+    and halve back down at the end (the middle in equal pieces of at most ``largest``): a
+    pipeline then fills and drains on small pieces and runs on large ones."""
+    n = end - start
+    ramp: list[int] = []
+    size = smallest
+    while size < largest and 2 * (sum(ramp) + size) <= n:  # a ramp up and one down both fit
+        ramp.append(size)
+        size *= 2
+    middle = n - 2 * sum(ramp)
+    body = [b - a for a, b in partition(middle, -(-middle // largest))] if middle else []
+    bounds, lo = [], start
+    for size in ramp + body + ramp[::-1]:
+        bounds.append((lo, lo + size))
+        lo += size
+    return bounds or [(start, start)]
+
+
 def flat(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1)

@@ -11,9 +11,9 @@ All-reduce, piece by piece through the shared arena:
 3. every local rank copies the final shards out.
 
 On one host a rank's own shard skips the arena: it copies in the rest of its piece, and reads
-its own shard from its own buffer (:meth:`Hierarchy._all_reduce_local`).  Between hosts the pieces are pipelined: every piece's shard starts its inter-host all-reduce
-as soon as it is reduced, and the copies out wait for them in a second pass
-(:meth:`Hierarchy._all_reduce_pipelined`).
+its own shard from its own buffer (:meth:`Hierarchy._all_reduce_local`).  Between hosts the
+pieces are pipelined: every piece's shard starts its inter-host all-reduce as soon as it is
+reduced, and the copies out wait for them in a second pass (:meth:`Hierarchy._all_reduce_pipelined`).
 
 Each host NIC thus carries one copy of the buffer whatever the number of ranks per host, and
 a single-host job never touches TCP.  Every shard is finished once, by one rank, so all ranks
@@ -165,7 +165,6 @@ class Hierarchy:
         results out after reducing piece k, measured slower at 16 MiB)."""
         g, xf = self.local, flat(x)
         me, dt = g.me, x.dtype
-        fast = ops.accum_dtype(dt) == dt and op is not ops.ReduceOp.AVG  # nothing to widen or divide
         sig = _signature(ctx)
         for lo, hi in chunks(0, xf.size, LOCAL_PIECE_BYTES // dt.itemsize):
             rows = g.rows(g.next_half(), dt, hi - lo)
@@ -177,14 +176,7 @@ class Hierarchy:
             sig = None
             inputs = [v[a:b] for v in rows]
             inputs[me] = xf[lo + a:lo + b]
-            result = rows[me][a:b]
-            if fast:
-                ufunc = ops.ufunc_of(op)
-                ufunc(inputs[0], inputs[1], out=result)
-                for v in inputs[2:]:
-                    ufunc(result, v, out=result)
-            else:
-                ops.finalize(_accumulate(inputs, op, ctx.scratch(b - a, ops.accum_dtype(dt))), op, self.world, result)
+            _reduce_into(inputs, op, self.world, rows[me][a:b], ctx)
             g.sync(None, timeout_s=ctx.timeout_s)
             for j, (a, b) in enumerate(bounds):
                 ops.copy(xf[lo + a:lo + b], rows[j][a:b])
@@ -321,3 +313,16 @@ def _accumulate(rows: Sequence[np.ndarray], op: ops.ReduceOp, out: np.ndarray) -
     for v in rows[1:]:
         ops.combine(acc, v, op)
     return acc
+
+
+def _reduce_into(rows: Sequence[np.ndarray], op: ops.ReduceOp, n: int, out: np.ndarray, ctx: CallContext) -> None:
+    """The result of ``rows`` (local-rank order, ``n`` contributions in all) written into ``out``:
+    with one ufunc call per row straight into ``out`` when there is nothing to widen or divide
+    (the same bits as accumulating and finishing), else through an accumulator."""
+    if ops.accum_dtype(out.dtype) == out.dtype and op is not ops.ReduceOp.AVG:
+        ufunc = ops.ufunc_of(op)
+        ufunc(rows[0], rows[1], out=out)
+        for v in rows[2:]:
+            ufunc(out, v, out=out)
+    else:
+        ops.finalize(_accumulate(rows, op, ctx.scratch(out.size, ops.accum_dtype(out.dtype))), op, n, out)

@@ -41,6 +41,7 @@ from .testbed_launch import (GOODPUT_FACTOR, Proc, box_cpu, child_env, set_conge
 FLOOR_PORT = 7800
 _ACCEPT_S = 120.0
 _IO_S = 120.0
+_EXIT_S = 30.0  #: how long a reducer may take to exit after its workers are done
 _BUF = 1 << 20
 
 
@@ -206,10 +207,16 @@ def _floor(tb: Testbed, size: int, args: argparse.Namespace, logdir: Path,
     # Reducers exit when their iterations are done; a reducer that dies early closes its
     # sockets, and the workers fail on that at once.
     why = wait_ranks(workers, [], time.monotonic() + args.timeout, args.timeout)
+    # A worker is done once its last bytes are back, a moment before their reducer has closed
+    # its sockets and exited: wait for that (stopping it first made it fail on a loaded machine).
+    end = time.monotonic() + _EXIT_S
+    while not why and time.monotonic() < end and any(r.proc.poll() is None for r in reducers):
+        time.sleep(0.05)
     stop(reducers)
     bad = [p for p in workers + reducers if p.proc.returncode != 0]
     if why or bad:
-        raise PeerFailure(f"floor run failed: {why or ''} {tail(bad[0].log) if bad else ''}".strip())
+        who = f"{bad[0].name} exited with {bad[0].proc.returncode}: {tail(bad[0].log)}" if bad else ""
+        raise PeerFailure(f"floor run failed: {why or ''} {who}".strip())
     per_worker = [json.loads(o.read_text()) for o in outs]
     floor_s = statistics.median(max(w["times"][i] for w in per_worker) for i in range(args.iters))
     return floor_s, per_worker[0]["busy"]

@@ -5,9 +5,9 @@ it as soon as all have attached: from then on the memory lives only in the mappi
 exit (normal, exception or kill -9) leaves anything behind.
 
 Layout: a header with one cache line per local rank (its step counter and the signature of
-its current call) and a failure note, then (from half a page further) two halves of ``region_bytes`` per local rank
-(a collective alternates between the halves, so a rank may write its next piece while its
-peers still read the previous one).
+its current call) and a failure note, then, from half a page further (``DATA_SKEW``), two
+halves of ``region_bytes`` per local rank (a collective alternates between the halves, so a
+rank may write its next piece while its peers still read the previous one).
 
 Synchronisation is by step counters: :meth:`LocalGroup.sync` sets this rank's counter to the
 next step and waits until every local rank's counter has reached it.  Waiting spins briefly,

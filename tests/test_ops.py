@@ -612,3 +612,32 @@ def test_copy_of_strided_or_converting_arrays_is_an_assignment() -> None:
     wide = np.empty(65536, np.float64)
     ops.copy(wide, x[1::2])
     np.testing.assert_array_equal(wide, x[1::2])
+
+
+@pytest.mark.parametrize("count", [5, 1 << 14])  # (16-bit rows of 16 Ki elements are widened in blocks)
+@pytest.mark.parametrize("nrows", [1, 2, 4])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("name", ALL)
+def test_reduce_rows_has_the_bits_of_reduce_arrays(name: str, op: ReduceOp, nrows: int, count: int) -> None:
+    """A 2-D array of rows, a list of rows, and a list with a scratch accumulator all give
+    reduce_arrays' bits (the collectives use whichever fits their buffers)."""
+    d = dt(name)
+    rng = np.random.default_rng(nrows * 31 + count)
+    if name in FLOATS:
+        rows = (rng.standard_normal((nrows, count)) * 100).astype(d)
+    else:
+        info = np.iinfo(d)
+        rows = rng.integers(info.min, info.max, (nrows, count), dtype=d, endpoint=True)
+    want = ops.reduce_arrays(list(rows), op).tobytes()
+    scratched: list[int] = []
+
+    def scratch(n: int, dtype: np.dtype) -> np.ndarray:
+        scratched.append(n)
+        return np.full(n, 7, dtype)  # (stale contents must not leak into the result)
+
+    for given_rows, kwargs in ((rows, {}), (list(rows), {}), (list(rows), {"scratch": scratch})):
+        out = np.full(count, 3, d)
+        assert ops.reduce_rows(given_rows, op, nrows, out, **kwargs) is out
+        assert out.tobytes() == want, (type(given_rows), kwargs)
+    needs_acc = ops.accum_dtype(d) != d or op is ReduceOp.AVG
+    assert scratched == ([count] if needs_acc else [])

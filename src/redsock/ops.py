@@ -8,6 +8,9 @@ same way:
     combine(acc, x, op)                # acc = acc (op) x, in place, once per contribution
     finalize(acc, op, n, out)          # avg divides by n; rounds once into the user's dtype
 
+:func:`accumulate` and :func:`reduce_rows` are those calls over several contributions at
+once (the latter straight into ``out`` where nothing needs widening or dividing).
+
 Semantics:
 
 * float16 and bfloat16 accumulate in float32 and are rounded to their own dtype
@@ -40,8 +43,8 @@ from numpy.typing import DTypeLike
 from .errors import ConfigError, ProtocolError
 
 __all__ = [
-    "SUPPORTED_DTYPES", "ReduceOp", "accum_dtype", "bfloat16", "check_dtype", "combine", "copy",
-    "dtype_code", "dtype_from_code", "dtype_from_name", "finalize", "init_acc", "reduce_arrays",
+    "SUPPORTED_DTYPES", "ReduceOp", "accum_dtype", "accumulate", "bfloat16", "check_dtype", "combine", "copy",
+    "dtype_code", "dtype_from_code", "dtype_from_name", "finalize", "init_acc", "reduce_arrays", "reduce_rows",
 ]
 
 bfloat16: np.dtype = np.dtype(ml_dtypes.bfloat16)
@@ -355,17 +358,44 @@ def finalize(acc: np.ndarray, op: ReduceOp | str, n: int, out: np.ndarray) -> np
     return out
 
 
-def reduce_rows(rows: np.ndarray, op: ReduceOp | str, n: int, out: np.ndarray) -> np.ndarray:
-    """Reduce the rows of 2-D ``rows`` (contributions, in row order) into ``out`` and return it.
+def accumulate(rows: Sequence[np.ndarray], op: ReduceOp | str, out: np.ndarray | None = None) -> np.ndarray:
+    """``rows`` (contributions, in order) combined into an accumulator, ``out`` if given
+    (``accum_dtype``, their shape): :func:`init_acc` and one :func:`combine` per further row."""
+    acc = init_acc(rows[0], out)
+    for x in rows[1:]:
+        combine(acc, x, op)
+    return acc
 
-    The same result as init_acc/combine/finalize over the rows, in one ufunc call (16-bit
-    floats widened by numpy's cast): for small buffers, where per-call overhead dominates.
+
+def reduce_rows(rows: np.ndarray | Sequence[np.ndarray], op: ReduceOp | str, n: int, out: np.ndarray,
+                scratch: Callable[[int, np.dtype], np.ndarray] | None = None) -> np.ndarray:
+    """The result of ``rows`` (contributions in order, ``n`` in all across callers) written
+    into ``out`` (their dtype and shape), and returned: the same bits as
+    init_acc/combine/finalize over them.
+
+    ``rows`` is a 2-D array (one ufunc call over it, 16-bit floats widened by numpy's cast:
+    for small buffers, where per-call overhead dominates) or a sequence of arrays (one ufunc
+    call per row, straight into ``out`` when there is nothing to widen or divide; else
+    through an accumulator from ``scratch(count, dtype)``, or a new one).
     """
     op = ReduceOp.parse(op)
-    wide = _ACCUM[check_dtype(rows.dtype)]
-    if wide == out.dtype and op is not ReduceOp.AVG:  # nothing to finish: reduce straight into out
-        return _UFUNC[op].reduce(rows, axis=0, out=out)
-    return finalize(_UFUNC[op].reduce(rows, axis=0, dtype=wide), op, n, out)
+    wide = _ACCUM[check_dtype(out.dtype)]
+    ufunc = _UFUNC[op]
+    direct = wide == out.dtype and op is not ReduceOp.AVG  # nothing to finish: reduce straight into out
+    if isinstance(rows, np.ndarray):
+        if direct:
+            return ufunc.reduce(rows, axis=0, out=out)
+        return finalize(ufunc.reduce(rows, axis=0, dtype=wide), op, n, out)
+    if not direct:
+        acc = None if scratch is None else scratch(out.size, wide).reshape(out.shape)
+        return finalize(accumulate(rows, op, acc), op, n, out)
+    if len(rows) == 1:
+        copy(out, rows[0])
+        return out
+    ufunc(rows[0], rows[1], out=out)
+    for x in rows[2:]:
+        ufunc(out, x, out=out)
+    return out
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
@@ -384,12 +414,11 @@ def reduce_arrays(arrays: Sequence[np.ndarray], op: ReduceOp | str = ReduceOp.SU
     op = ReduceOp.parse(op)
     if len(arrays) == 0:
         raise ConfigError("reduce_arrays needs at least one array")
-    first = np.asarray(arrays[0])
-    acc = init_acc(first)
-    for x in arrays[1:]:
-        x = np.asarray(x)
+    rows = [np.asarray(x) for x in arrays]
+    first = rows[0]
+    for x in rows[1:]:
         if x.dtype != first.dtype:
             raise ConfigError(f"reduce_arrays: mixed dtypes {first.dtype} and {x.dtype}")
-        combine(acc, x, op)
+    acc = accumulate(rows, op)
     out = acc if acc.dtype == first.dtype else np.empty(first.shape, first.dtype)
     return finalize(acc, op, len(arrays), out)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -150,7 +150,7 @@ class Hierarchy:
             ops.reduce_rows(views, op, self.world, xf)
             return
         if g.me == 0:
-            acc = _accumulate(views, op, ctx.scratch(xf.size, ops.accum_dtype(x.dtype)))
+            acc = ops.accumulate(views, op, ctx.scratch(xf.size, ops.accum_dtype(x.dtype)))
             self._inter_all_reduce(acc, op, async_op=False)
             ops.copy(views[0], ops.finalize(acc, op, self.world, xf))
         g.sync(None, SPIN_SMALL_US, ctx.timeout_s)
@@ -176,7 +176,7 @@ class Hierarchy:
             sig = None
             inputs = [v[a:b] for v in rows]
             inputs[me] = xf[lo + a:lo + b]
-            _reduce_into(inputs, op, self.world, rows[me][a:b], ctx)
+            ops.reduce_rows(inputs, op, self.world, rows[me][a:b], ctx.scratch)
             g.sync(None, timeout_s=ctx.timeout_s)
             for j, (a, b) in enumerate(bounds):
                 ops.copy(xf[lo + a:lo + b], rows[j][a:b])
@@ -206,7 +206,7 @@ class Hierarchy:
             sig = None
             if me < shards:
                 a, b = owned[i]
-                acc = _accumulate([v[a:b] for v in views], op, whole[offsets[i]:offsets[i + 1]])
+                acc = ops.accumulate([v[a:b] for v in views], op, whole[offsets[i]:offsets[i + 1]])
                 accs.append(acc)
                 works.append(self._inter_all_reduce(acc, op, async_op=True))
         for i, (lo, hi) in enumerate(pieces):
@@ -304,25 +304,3 @@ def _signature(ctx: CallContext) -> int:
     """The call's number and its 16-bit check: local ranks in another call, or the same call
     with another dtype, size or op, differ here."""
     return ((ctx.seq + 1) << 16) | ctx.check
-
-
-def _accumulate(rows: Sequence[np.ndarray], op: ops.ReduceOp, out: np.ndarray) -> np.ndarray:
-    """``rows`` combined in local-rank order into ``out`` (the accumulation dtype; the kernels
-    of :mod:`redsock.ops`: blocked 16-bit widening pays off at these sizes)."""
-    acc = ops.init_acc(rows[0], out)
-    for v in rows[1:]:
-        ops.combine(acc, v, op)
-    return acc
-
-
-def _reduce_into(rows: Sequence[np.ndarray], op: ops.ReduceOp, n: int, out: np.ndarray, ctx: CallContext) -> None:
-    """The result of ``rows`` (local-rank order, ``n`` contributions in all) written into ``out``:
-    with one ufunc call per row straight into ``out`` when there is nothing to widen or divide
-    (the same bits as accumulating and finishing), else through an accumulator."""
-    if ops.accum_dtype(out.dtype) == out.dtype and op is not ops.ReduceOp.AVG:
-        ufunc = ops.ufunc_of(op)
-        ufunc(rows[0], rows[1], out=out)
-        for v in rows[2:]:
-            ufunc(out, v, out=out)
-    else:
-        ops.finalize(_accumulate(rows, op, ctx.scratch(out.size, ops.accum_dtype(out.dtype))), op, n, out)

@@ -65,6 +65,8 @@ def test_checked_sweep_over_blocks_reports_zero_wrong(monkeypatch, tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     # 3 ranks busy reducing, each with at most every core: above nothing, below 3 machines' worth
     assert len(rows) == 2 and all(0 < row["extra"]["ranks_busy"] <= 3 for row in rows)
+    # ... and the share of the whole machine busy meanwhile (the same on every rank: rank 0's reading)
+    assert all(0 <= row["extra"]["machine_busy"] <= 1 for row in rows)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -208,21 +209,53 @@ def test_lab_classifies_and_judges() -> None:
     assert "Link-bound points within 15%: 1 of 2" in text
 
 
-def test_lab_classes_a_run_that_kept_the_machine_busy_as_cpu_bound(tmp_path: Path) -> None:
-    """The busy share comes from the benchmark's CPU line in the log beside the rows; a run
-    at 75% or more is CPU-bound whatever its process count."""
+_CPU_LINE = "# CPU over 54.1 s: ranks 50.4 s, reducers 10.8 s (= 57% of 2 cores); whole machine busy {}% (includes ...)"
+
+
+def _lab_dir(d: Path, run_busy: int, row_busy: Callable[[dict], float | None]) -> Path:
+    """docs/results' N=4 rows in ``d``, each with ``row_busy(row)`` as its own machine_busy
+    (None: none, as rows written before they had one), and a log whose CPU line says ``run_busy``%."""
     src = Path(__file__).parent.parent / "docs" / "results" / "allreduce-n4.jsonl"
-    line = "# CPU over 54.1 s: ranks 50.4 s, reducers 10.8 s (= 57% of 2 cores); whole machine busy {}% (includes ...)"
+    d.mkdir()
+    lines = []
+    for line in src.read_text().splitlines():
+        row = json.loads(line)
+        row["extra"].pop("machine_busy", None)
+        if (busy := row_busy(row)) is not None:
+            row["extra"]["machine_busy"] = busy
+        lines.append(json.dumps(row))
+    (d / src.name).write_text("\n".join(lines) + "\n")
+    (d / "allreduce-n4.log").write_text(f"# reducer s0: peak RSS 60.1 MiB\n{_CPU_LINE.format(run_busy)}\n")
+    return d
+
+
+def test_lab_classes_a_run_that_kept_the_machine_busy_as_cpu_bound(tmp_path: Path) -> None:
+    """Rows without a reading of their own take the run's busy share, from the benchmark's CPU
+    line in the log beside them; a run at 75% or more is CPU-bound whatever its process count."""
     kinds = {}
     for busy in (60, 75):
-        d = tmp_path / str(busy)
-        d.mkdir()
-        (d / src.name).write_bytes(src.read_bytes())
-        (d / "allreduce-n4.log").write_text(f"# reducer s0: peak RSS 60.1 MiB\n{line.format(busy)}\n")
-        rows = lab.load_lab(d)
+        rows = lab.load_lab(_lab_dir(tmp_path / str(busy), busy, lambda row: None))
         assert {r.extra["machine_busy"] for r in rows} == {busy / 100}
         kinds[busy] = {c.kind for c in lab.check_rows(rows, DEFAULT, cores=2) if c.row.bytes >= 16 << 20}
     assert "link-bound" in kinds[60] and kinds[75] == {"CPU-bound"}
+
+
+def test_lab_takes_a_rows_own_machine_busy_over_its_runs(tmp_path: Path) -> None:
+    """A run's CPU line averages over every series and size; a row's own reading, taken while
+    it was timed, decides: the reducers' 64 MiB rows at 80% are CPU-bound in a run at 60%,
+    and rows at 50% stay link-bound in a run at 90%."""
+    big = 64 << 20
+
+    def reducers_busy(row: dict) -> float:
+        return 0.8 if row["bytes"] == big and row["algo"] == "server" else 0.5
+
+    rows = lab.load_lab(_lab_dir(tmp_path / "a", 60, reducers_busy))
+    kinds = {(c.series, c.row.bytes): c.kind for c in lab.check_rows(rows, DEFAULT, cores=2)}
+    assert kinds[("server", big)] == "CPU-bound"
+    assert kinds[("gloo", big)] == "link-bound"
+    rows = lab.load_lab(_lab_dir(tmp_path / "b", 90, lambda row: 0.5))
+    assert {r.extra["machine_busy"] for r in rows} == {0.5}
+    assert "link-bound" in {c.kind for c in lab.check_rows(rows, DEFAULT, cores=2) if c.row.bytes >= 16 << 20}
 
 
 def test_lab_classes_a_point_whose_ranks_kept_the_cores_busy_as_cpu_bound() -> None:

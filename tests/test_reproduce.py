@@ -5,6 +5,7 @@ one small end-to-end run through real namespaces (root, ~30 s)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -102,13 +103,17 @@ def test_transport_row_without_rates_is_refused() -> None:
 
 # ---------------------------------------------------------------- all-reduce
 
+def with_extra(r: report.Row, **extra: object) -> report.Row:
+    return dataclasses.replace(r, extra={**r.extra, **extra})
+
+
 def allreduce_rows() -> list[report.Row]:
     main = step("allreduce-n4", "allreduce", {"gloo": "gloo", "ring": "ring", "server": "server"})
     one = step("ring1-n4", "allreduce", {"ring": "ring1"})
     ring_bound = GOODPUT / 1.5
     return (tagged([ar_row("gloo", 4, 64 * MiB, 0.8 * ring_bound),
                     ar_row("ring", 4, 64 * MiB, 0.9 * ring_bound),
-                    ar_row("server", 4, 64 * MiB, 0.9 * GOODPUT)], main)
+                    with_extra(ar_row("server", 4, 64 * MiB, 0.9 * GOODPUT), machine_busy=0.812)], main)
             + tagged([ar_row("ring", 4, 64 * MiB, 0.6 * ring_bound)], one))
 
 
@@ -132,7 +137,8 @@ def test_allreduce_points_bounds_and_ratios() -> None:
     server = pts["server"].row
     line = next(x for x in table.splitlines() if "| redsock reducers |" in x)
     assert line == (f"| 64 MiB | redsock reducers | {R._us(server.median_s)} | {server.algbw_GBps:.4f} "
-                    f"| {server.busbw_GBps:.4f} | 0.1195 | 90.0% | 1.69x | 1.50x | - |")
+                    f"| {server.busbw_GBps:.4f} | 0.1195 | 90.0% | 1.69x | 1.50x | - | 81% |")  # (machine busy)
+    assert next(x for x in table.splitlines() if "| gloo |" in x).endswith("| - | - |")  # (no reading: older rows)
     assert "| 64 MiB | redsock ring, Fast Socket |" in table and "| 1.50x |" in table
 
 

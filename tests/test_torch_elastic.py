@@ -18,7 +18,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 from redsock.bench.procs import stop_processes

@@ -45,7 +45,8 @@ from ..testbed import netns as nx
 from ..testbed.cluster import PROFILES, Testbed
 from ..testbed.netns import format_rate, parse_rate
 from . import report
-from .testbed_launch import (GOODPUT_FACTOR, cpu_line, SERVER_PORT, Proc, box_cpu, host_nic_factor, proc_status,
+from .procs import box_cpu
+from .testbed_launch import (BUSY_LIMIT, GOODPUT_FACTOR, cpu_line, SERVER_PORT, Proc, host_nic_factor, proc_status,
                              set_congestion_control, start_ranks, start_servers, stop, tail, tcp_counters, tcp_delta,
                              tcp_line, wait_ranks)
 
@@ -146,10 +147,12 @@ def summary_table(rows: Sequence[report.Row], rate_bps: int, workers: int, serve
            "between hosts, as the ranks chose it; algbw in GB/s; NIC/S = bytes each way through one host link per byte of buffer (ring: flat 2(N-1)/N, "
            "hierarchical 2(H-1)/H; reducers: flat L, hierarchical 1); bound = goodput / NIC/S; "
            "%bound = algbw / bound; /gloo = algbw / gloo's algbw (same size, this run); "
-           "ideal = gloo's NIC/S / this NIC/S"]
+           "ideal = gloo's NIC/S / this NIC/S; busy = the whole machine's cores in use while the row was "
+           f"timed (ranks, reducers, the kernel's network work: at {BUSY_LIMIT:.0%} or more the row measures "
+           "the CPU rather than the links)"]
     gloo = {(r.world, r.bytes, r.dtype, r.op): r for r in rows if r.algo == "gloo"}
     out.append(f"#{'size':>9} {'algo':>7} {'route':>12} {'time(us)':>10} {'algbw':>9} {'NIC/S':>6} {'bound':>8} "
-               f"{'%bound':>7} {'gloo':>9} {'/gloo':>7} {'ideal':>6} {'#wrong':>7}")
+               f"{'%bound':>7} {'gloo':>9} {'/gloo':>7} {'ideal':>6} {'busy':>5} {'#wrong':>7}")
     for r in sorted(rows, key=lambda r: (r.bytes, r.algo == "gloo")):
         g = None if r.algo == "gloo" else gloo.get((r.world, r.bytes, r.dtype, r.op))
         inter, scheme = row_route(r)
@@ -165,6 +168,7 @@ def summary_table(rows: Sequence[report.Row], rate_bps: int, workers: int, serve
             f"{(f'{g.algbw_GBps:9.4f}' if g else '-'):>9} "
             f"{(f'{r.algbw_GBps / g.algbw_GBps:7.2f}' if g and g.algbw_GBps > 0 else '-'):>7} "
             f"{(f'{ideal:6.2f}' if ideal else '-'):>6} "
+            f"{(f'{100 * busy:4.0f}%' if (busy := r.extra.get('machine_busy')) is not None else '-'):>5} "
             f"{('N/A' if r.wrong < 0 else str(r.wrong)):>7}")
     return "\n".join(out)
 

@@ -44,7 +44,8 @@ from ..errors import ConfigError, RedsockError
 from ..testbed import netns as nx
 from ..testbed.cluster import PROFILES, Testbed
 from ..testbed.netns import format_rate, parse_rate
-from .testbed_launch import (MASTER_PORT, Proc, box_cpu, rank0_output, set_congestion_control, start_ranks, start_servers,
+from .procs import box_cpu
+from .testbed_launch import (MASTER_PORT, Proc, rank0_output, set_congestion_control, start_ranks, start_servers,
                              stop, tail, tcp_counters, tcp_delta, tcp_line, wait_ranks)
 
 __all__ = ["ALGOS", "add_arguments", "parse_result", "run", "summarize", "train_script"]

@@ -35,7 +35,8 @@ from ..testbed.cluster import Testbed
 from ..testbed.netns import format_rate, parse_rate
 from . import report
 from .floor import run_threads
-from .testbed_launch import (GOODPUT_FACTOR, Proc, box_cpu, child_env, set_congestion_control, start_ranks, stop,
+from .procs import box_cpu
+from .testbed_launch import (GOODPUT_FACTOR, Proc, child_env, set_congestion_control, start_ranks, stop,
                              tail, wait_ranks)
 
 FLOOR_PORT = 7800

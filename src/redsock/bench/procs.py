@@ -1,4 +1,5 @@
-"""The child processes a benchmark or test starts: their output, and stopping them."""
+"""The child processes a benchmark or test starts: their output, stopping them, and the
+machine's CPU they share."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -66,3 +68,10 @@ def wait_logged(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[tup
             texts[1] += f"\n[killed: still running after {timeout_s:g}s]"
         outs.append((p.returncode, texts[0], texts[1]))
     return outs
+
+
+def box_cpu() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    return sum(vals) - idle, sum(vals)

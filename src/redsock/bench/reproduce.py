@@ -498,14 +498,15 @@ def _us(seconds: float) -> str:
 def allreduce_table(points: Sequence[ArPoint]) -> str:
     """Markdown for one (profile, N): algbw and busbw, the bound and the ratios."""
     lines = [("| size | series | time (µs) | algbw (GB/s) | busbw (GB/s) | bound algbw (GB/s) | algbw / bound "
-              "| / gloo | ideal / gloo | Fast Socket / 1 socket |"),
-             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| / gloo | ideal / gloo | Fast Socket / 1 socket | machine busy |"),
+             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in points:
         r = p.row
         lines.append(f"| {report.human_size(r.bytes)} | {p.label} | {_us(r.median_s)} "
                      f"| {r.algbw_GBps:.4f} | {r.busbw_GBps:.4f} | {_r(p.bound_GBps, '{:.4f}')} "
                      f"| {_r(None if p.of_bound is None else 100 * p.of_bound, '{:.1f}%')} "
-                     f"| {_r(p.over_gloo)} | {_r(p.ideal_over_gloo)} | {_r(p.over_one_socket)} |")
+                     f"| {_r(p.over_gloo)} | {_r(p.ideal_over_gloo)} | {_r(p.over_one_socket)} "
+                     f"| {_pct(r.extra.get('machine_busy'))} |")
     return "\n".join(lines)
 
 

@@ -82,7 +82,8 @@ from ..errors import ConfigError, RedsockError
 from ..testbed import netns as nx
 from ..testbed.cluster import PairTestbed
 from ..testbed.netns import parse_rate, path_class
-from .testbed_launch import GOODPUT_FACTOR, box_cpu
+from .procs import box_cpu
+from .testbed_launch import GOODPUT_FACTOR
 from .transport import (
     ACK_TAG, DATA_TAG, PLAN_BYTES, PLAN_TAG, TransportRow, _cases, _human, _many, _PlainConn, open_session,
 )

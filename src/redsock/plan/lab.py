@@ -5,9 +5,10 @@ ranks per host, reducers, link rate and goodput as the testbed recorded them) wi
 and classifies each row:
 
 * ``CPU-bound``: more processes work for the series than 4 per core (reproduce's own rule,
-  counted per series: ranks, plus reducers for the reducer series), or the run kept the whole
-  machine at least :data:`BUSY_LIMIT` busy (the benchmark's own CPU line in its log), or the
-  row's ranks alone did while it was timed (``ranks_busy``, recorded per row).  The
+  counted per series: ranks, plus reducers for the reducer series), or the whole machine was
+  at least :data:`BUSY_LIMIT` busy while the row was timed (``machine_busy``, recorded per row;
+  for older rows the run's average, the benchmark's CPU line in its log), or the row's ranks
+  alone were (``ranks_busy``).  The
   model still predicts the link-bound time there; the shortfall measures this 2-core machine,
   not the network.
 * ``link-bound``: the busiest NIC accounts for at least :data:`LINK_SHARE` of the predicted
@@ -30,7 +31,7 @@ from typing import Any
 from ..bench import reproduce
 from ..bench import report
 from ..bench.report import Row, human_size
-from ..bench.testbed_launch import MACHINE_BUSY_RE
+from ..bench.testbed_launch import BUSY_LIMIT, MACHINE_BUSY_RE
 from ..errors import ConfigError
 from . import model
 from .model import Cluster
@@ -42,8 +43,6 @@ __all__ = ["BUSY_LIMIT", "LINK_SHARE", "TOLERANCE", "Check", "DdpCheck", "check_
 TOLERANCE = 0.15
 LINK_SHARE = 0.9
 PROCS_PER_CORE = 4  #: reproduce flags a step CPU-bound above 4 processes per core
-#: A run that kept the machine this busy measured its cores, not its links (the lab's rule).
-BUSY_LIMIT = 0.75
 #: reproduce's series -> the model's algorithm
 SERIES_ALGO = {"gloo": "gloo", "ring": "ring", "ring1": "ring", "server": "reducers", "auto": "rd",
                "gloo2": "gloo", "auto-servers": "reducers", "auto-ring": "ring"}
@@ -86,7 +85,8 @@ def load_lab(results_dir: str | Path) -> list[Row]:
     rows: list[Row] = []
     for path in sorted(results_dir.glob("*.jsonl")):
         busy = _machine_busy(path)
-        rows += [r if busy is None else dataclasses.replace(r, extra={**r.extra, "machine_busy": busy})
+        # A row's own reading (taken while it was timed) is closer than its run's average.
+        rows += [r if busy is None else dataclasses.replace(r, extra={"machine_busy": busy, **r.extra})
                  for r in _load_rows(path, known.get(path.stem))]
     if not rows:
         raise ConfigError(f"no all-reduce results (allreduce-n*.jsonl, ...) in {results_dir}")
@@ -193,8 +193,8 @@ def markdown(checks: list[Check], min_bytes: int = 0) -> str:
     one-line verdict over all of them."""
     labels = reproduce.SERIES_LABELS
     lines = ["| hosts x ranks | reducers | size | series | measured | predicted | error | bottleneck (model) | class "
-             "| reducers' CPU on the lab's cores | within 15% |",
-             "|---:|---:|---:|:---|---:|---:|---:|:---|:---|---:|:---:|"]
+             "| busy: machine / ranks | reducers' CPU on the lab's cores | within 15% |",
+             "|---:|---:|---:|:---|---:|---:|---:|:---|:---|:---:|---:|:---:|"]
     shown = [c for c in checks if c.row.bytes >= min_bytes]
     for c in sorted(shown, key=lambda c: (c.row.world, c.cluster.ranks_per_host, c.row.bytes,
                                           list(labels).index(c.series) if c.series in labels else 99)):
@@ -202,7 +202,8 @@ def markdown(checks: list[Check], min_bytes: int = 0) -> str:
         red = c.cluster.reducers if c.prediction.algo in model.REDUCER_ALGORITHMS else 0
         lines.append(f"| {c.cluster.hosts} x {c.cluster.ranks_per_host} | {red} | {human_size(c.row.bytes)} | {labels.get(c.series, c.series)} | "
                      f"{_t(c.row.median_s)} | {_t(c.prediction.seconds)} | {c.error:+.1%} | "
-                     f"{c.prediction.bottleneck} | {c.kind} | {_t(c.shared_cpu_s) if c.shared_cpu_s else '-'} "
+                     f"{c.prediction.bottleneck} | {c.kind} | {_busy(c.row)} | "
+                     f"{_t(c.shared_cpu_s) if c.shared_cpu_s else '-'} "
                      f"| {verdict} |")
     judged = [c for c in checks if c.ok is not None]
     good = sum(1 for c in judged if c.ok)
@@ -210,6 +211,11 @@ def markdown(checks: list[Check], min_bytes: int = 0) -> str:
               f"CPU-bound points: {sum(c.kind == 'CPU-bound' for c in checks)}; "
               f"latency-bound points: {sum(c.kind == 'latency-bound' for c in checks)}."]
     return "\n".join(lines)
+
+
+def _busy(r: Row) -> str:
+    """How busy the whole machine and the row's ranks were while it was timed (what decides CPU-bound)."""
+    return " / ".join("-" if (v := r.extra.get(k)) is None else f"{100 * v:.0f}%" for k in ("machine_busy", "ranks_busy"))
 
 
 # ----------------------------------------------------------------------------- DDP training
@@ -279,8 +285,9 @@ def results_section(results_dir: str | Path, profile: Profile, cores: int | None
          "+ the reducers' drain; bytes per host NIC as in DESIGN.md section 7; payload = line rate x goodput "
          f"factor) and the profile \"{profile.source}\". Nothing is fitted to these rows. Each point is classed "
          f"before comparing: **CPU-bound** where more than {PROCS_PER_CORE} processes per core work for the series "
-         f"(ranks, plus reducers for the reducer series) or the run kept the machine at least {BUSY_LIMIT:.0%} busy "
-         "(its log's CPU line) or the point's ranks alone did while it was timed, **link-bound** where the NICs "
+         f"(ranks, plus reducers for the reducer series) or the whole machine was at least {BUSY_LIMIT:.0%} busy "
+         "while the point was timed (where a point has no reading of its own: its run's, from the log's CPU line) "
+         "or the point's ranks alone were, **link-bound** where the NICs "
          "account for at least "
          f"{LINK_SHARE:.0%} of the predicted time, **latency-bound** otherwise. Link-bound points are held to "
          f"{TOLERANCE:.0%}; elsewhere the model gives the link-bound time and is not judged. `error` = predicted / "

@@ -191,7 +191,7 @@ def test_reproduce_section_plans_and_reports_two_ranks_per_host(tmp_path: Path) 
     argv = list(st.argv)
     assert st.key == "multirank-h4x2" and st.world == 8
     assert argv[argv.index("--workers") + 1] == "4" and argv[argv.index("--ranks-per-host") + 1] == "2"
-    assert argv[argv.index("--servers") + 1] == "4" and argv[argv.index("--rate") + 1] == "200mbit"
+    assert argv[argv.index("--servers") + 1] == "4" and argv[argv.index("--rate") + 1] == "150mbit"
     assert argv[argv.index("--algo") + 1] == "gloo,auto,server"
     ring = next(x for x in R.make_plan(s, tmp_path, "rsrpx") if x.key == "multirank-ring-h4x2")
     rargv = list(ring.argv)

@@ -115,11 +115,12 @@ class Settings:
     ddp_steps: tuple[int, int] = (30, 5)  #: --steps, --warmup
     ddp_repeats: int = 2  #: rounds over the algorithms (median), where the benchmark offers --repeats
     #: several ranks per host: hosts (reducers = hosts), ranks per host, link rate (low enough that
-    #: the 3H processes on this machine's cores stay link-bound: on 2026-12-01 300 Mbit/s kept the
-    #: machine 77-92% busy through the reducers, 200 Mbit/s 56%), sizes, -n / -w
+    #: the 3H processes on this machine's cores stay link-bound: on 2026-12-01, while the
+    #: hierarchical reducers' rows were timed, 300 Mbit/s kept the machine 77-92% busy, 200 Mbit/s
+    #: 77-81%, 150 Mbit/s 56-66%), sizes, -n / -w
     multirank_hosts: int = 4
     ranks_per_host: int = 2
-    multirank_rate: str = "200mbit"
+    multirank_rate: str = "150mbit"
     multirank_sizes: tuple[str, str, int] = ("32M", "64M", 2)
     multirank_iters: tuple[int, int] = (5, 2)
     timeout_scale: float = 1.0  #: every step's deadline is multiplied by this

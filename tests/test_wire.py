@@ -94,6 +94,17 @@ def test_ctrl_record_layout():
     assert wire.decode_ctrl(a[:24], 0).type == wire.RecordType.ABORT and a[24:] == b"boom"
 
 
+def test_an_abort_reason_names_failed_ranks_through_any_wrapping():
+    reason = wire.failed_ranks_reason([3, 1], "reduction server: all-reduce #7 got nothing from rank(s) 1, 3")
+    assert reason.startswith("[failed ranks: 3, 1] reduction server:")
+    wrapped = f"rank 2: all_reduce #7 failed: peer 198.18.0.101:7700 aborted the connection: {reason}"
+    assert wire.failed_ranks_in(wrapped) == (1, 3)
+    assert wire.failed_ranks_in(wire.encode_abort(reason)[wire.CTRL_SIZE:].decode()) == (1, 3)
+    # No ranks named, or no such note: None (the failure is the sender's own).
+    assert wire.failed_ranks_in(wire.failed_ranks_reason([], "gives up")) is None
+    assert wire.failed_ranks_in("reduction server 198.18.0.101:7700 failed: connection reset") is None
+
+
 def test_slice_record_layout_and_bounds():
     b = wire.encode_slice(tag=1, seq=2, total=100, offset=60, length=40)
     assert len(b) == wire.SLICE_SIZE == 40

@@ -19,9 +19,11 @@ fixed header sizes.
 
 from __future__ import annotations
 
-import hmac
 import hashlib
+import hmac
+import re
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
@@ -228,6 +230,23 @@ def encode_inline(tag: int, seq: int, length: int, check: int = 0) -> bytes:
 def encode_abort(reason: str) -> bytes:
     text = reason.encode()[:4096]
     return CTRL.pack(RecordType.ABORT, 0, 0, len(text), 0, 0) + text
+
+
+_FAILED_RANKS = re.compile(r"\[failed ranks: ([0-9, ]*)\]")
+
+
+def failed_ranks_reason(ranks: Iterable[int], why: str) -> str:
+    """An abort reason that names the ranks its sender found failed (a reducer, or a rank
+    giving up), so that every rank that hears of the failure names the same ones."""
+    return f"[failed ranks: {', '.join(map(str, ranks))}] {why}"
+
+
+def failed_ranks_in(reason: str) -> tuple[int, ...] | None:
+    """The ranks a :func:`failed_ranks_reason` names (anywhere in ``reason``, which may have
+    been wrapped in other messages since), or None if it names none."""
+    m = _FAILED_RANKS.search(reason)
+    ranks = tuple(sorted({int(v) for v in m.group(1).split(",") if v.strip()})) if m else ()
+    return ranks or None
 
 
 def decode_ctrl(data: bytes | memoryview, max_inline: int) -> CtrlRecord:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import ops
+from .. import ops, wire
 from ..bootstrap import PeerTable
 from ..config import Config, KiB
 from ..errors import ConfigError, PeerFailure, RedsockError, TransportError
@@ -33,7 +33,6 @@ SMALL_MAX_BYTES = 128 * KiB
 
 _COLLECTIVE_TAG = 1 << 62  # tag spaces: collectives vs user point-to-point
 _P2P_TAG = 1 << 61
-_FAILED_RE = re.compile(r"\[failed ranks: ([0-9, ]+)\]")
 
 Algorithm = Callable[[CallContext, np.ndarray, ops.ReduceOp], Finish | None]
 ALLREDUCE_ALGORITHMS: dict[str, Algorithm] = {"ring": ring.all_reduce, "small": small.all_reduce,
@@ -360,7 +359,7 @@ class Communicator:
         failure = PeerFailure(f"rank {self.rank}: {call} failed: {who}{err}", ranks=tuple(ranks))
         if self._failure is None:
             self._failure = failure
-            reason = f"[failed ranks: {', '.join(map(str, ranks))}] rank {self.rank} gives up: {err}"
+            reason = wire.failed_ranks_reason(ranks, f"rank {self.rank} gives up: {err}")
             self.peers.fail(reason)
             if self.hier is not None:  # local ranks wait in shared memory: wake them with the reason
                 self.hier.fail(reason)
@@ -402,9 +401,9 @@ def _chain(source: Future, target: Future, only_failures: bool = False) -> None:
 def _failed_ranks(err: RedsockError, peers: PeerTable, global_ranks: Sequence[int]) -> list[int]:
     """The failed ranks, named as ``global_ranks`` names them (the reasons ranks tell each
     other already name them so)."""
-    m = _FAILED_RE.search(str(err))
-    if m and not isinstance(err, PeerFailure):  # another rank already diagnosed it and told us
-        return sorted({int(v) for v in m.group(1).split(",") if v.strip()})
+    told = wire.failed_ranks_in(str(err))
+    if told is not None and not isinstance(err, PeerFailure):  # another rank already diagnosed it and told us
+        return list(told)
     return sorted({global_ranks[r] for r in _own_failed_ranks(err, peers) if 0 <= r < len(global_ranks)})
 
 

@@ -120,7 +120,7 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Finish | No
         try:
             _through_servers(ctx, group, x, op)()  # all ranks must agree on the outcome first
         except (PeerFailure, TransportError) as e:
-            # Even a reducer's "[failed ranks: r]" may only mean that rank r gave up this call
+            # Even a reducer's word that rank r failed (wire.failed_ranks_reason) may only mean that rank r gave up this call
             # because another reducer failed (it closes all its reducer connections): the
             # agreement below, over the workers' own connections, raises naming a rank that is
             # really gone, and falls back to ring when every rank is still there.
@@ -174,7 +174,7 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
         # Receives may still be posted into x on the other servers' connections: closing
         # them all guarantees no late result lands in x.  The next call reconnects.
         group.close()
-        if "[failed ranks:" in str(e):
+        if wire.failed_ranks_in(str(e)) is not None:
             raise e  # the server diagnosed a failed worker: the communicator names it
         raise PeerFailure(f"reduction server {group.name(server)} failed: {e}") from e
 

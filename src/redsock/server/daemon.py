@@ -317,7 +317,7 @@ class ReductionServer:
         log.warning("job %#x aborted: %s", job_id, why)
         if job is None:
             return
-        reason = f"[failed ranks: {', '.join(map(str, ranks))}] reduction server: {why}"
+        reason = wire.failed_ranks_reason(ranks, f"reduction server: {why}")
         for link in job.links.values():
             link.abort(reason)
         if self._metrics:

@@ -29,7 +29,7 @@ bench-transport: setup
 	$(PY) -m redsock bench transport --local
 
 # Measures the seed's claims in the emulated testbed (root) and writes docs/results.md, docs/results/.
-# make reproduce: full, 12-24 minutes on 2 cores; make reproduce QUICK=1: about 2.5 minutes.
+# make reproduce: full, 12-26 minutes on 2 cores; make reproduce QUICK=1: about 2.5 minutes.
 reproduce: setup
 	$(PY) -m redsock reproduce $(if $(filter 1 yes true,$(QUICK)),--quick)
 

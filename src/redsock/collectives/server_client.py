@@ -120,10 +120,11 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Finish | No
         try:
             _through_servers(ctx, group, x, op)()  # all ranks must agree on the outcome first
         except (PeerFailure, TransportError) as e:
-            # Even a reducer's word that rank r failed (wire.failed_ranks_reason) may only mean that rank r gave up this call
-            # because another reducer failed (it closes all its reducer connections): the
-            # agreement below, over the workers' own connections, raises naming a rank that is
-            # really gone, and falls back to ring when every rank is still there.
+            # Even a reducer's word that rank r failed (wire.failed_ranks_reason) may only mean
+            # that rank r gave up this call because another reducer failed (it closes all its
+            # reducer connections): the agreement below, over the workers' own connections,
+            # raises naming a rank that is really gone, and falls back to ring when every rank
+            # is still there.
             failure = e
     ok = np.array([0 if failure or not reachable[0] else 1], np.uint8)
     small.all_reduce(ctx, ok, ops.ReduceOp.MIN)

@@ -15,7 +15,7 @@ from redsock import wire
 from redsock.config import Config
 from redsock.errors import AuthError, ConfigError, ProtocolError, Timeout, TransportError
 from redsock.transport import Listener, connect
-from redsock.transport.sockets import TCP_NOTSENT_LOWAT
+from redsock.transport.sockets import TCP_NOTSENT_LOWAT, ControlReader
 
 
 def roundtrip(a, b, data, tag=0):
@@ -593,3 +593,61 @@ def test_adaptive_spin_stops_while_answers_are_slow_and_returns_when_they_are_qu
     spin.record(5.0)  # one long wait (a peer busy elsewhere) does not stop the spinning
     assert spin.budget() == 100e-6
     assert AdaptiveSpin(0.0).budget() == 0.0
+
+
+class _Sink:
+    """Records what a ControlReader hands over, as both real sinks (Connection, Link) do."""
+
+    def __init__(self):
+        self.got: list[tuple[str, int, bytes]] = []
+        self._rec = self._buf = None
+
+    def ctrl_whole(self, rec, payload):
+        self.got.append(("whole", rec.tag, bytes(payload)))
+
+    def ctrl_begin(self, rec):
+        self._rec, self._buf = rec, bytearray(rec.length)
+        return memoryview(self._buf)
+
+    def ctrl_end(self):
+        self.got.append(("abort" if self._rec.type is wire.RecordType.ABORT else "begun", self._rec.tag,
+                         bytes(self._buf)))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 24, 100, 4096])
+def test_control_reader_parses_records_however_the_bytes_arrive(chunk):
+    """Small records staged whole, a record larger than the stage, an empty one and an abort,
+    written in pieces of ``chunk`` bytes: every record arrives once, in order, with its bytes."""
+    rng = np.random.default_rng(chunk)
+    msgs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (8, 0, 100, 3000, 5)]
+    stream = b"".join(wire.encode_inline(tag, 0, len(m)) + m for tag, m in enumerate(msgs))
+    stream += wire.encode_abort("rank 3 gave up")
+    a, b = socket.socketpair()
+    with a, b:
+        reader = ControlReader(b, stage_bytes=256, max_inline=4096)
+        sink = _Sink()
+        for lo in range(0, len(stream), chunk):
+            a.sendall(stream[lo:lo + chunk])
+            reader.pump(sink)
+        assert not reader.staged and reader.pump(sink) is False  # nothing left, nothing moved
+    assert [(t, m) for _, t, m in sink.got[:-1]] == list(enumerate(msgs))
+    assert sink.got[-1] == ("abort", 0, b"rank 3 gave up")
+    if chunk == 4096:  # in one piece: the records that fit the 256-byte stage skip a second buffer
+        assert [k for k, _, _ in sink.got] == ["whole", "whole", "whole", "begun", "whole", "abort"]
+
+
+def test_control_reader_stops_once_the_waiter_is_done():
+    """``done``: the pump returns as soon as it holds and nothing read is left unparsed, without
+    another read; what comes later is read by the next pump."""
+    a, b = socket.socketpair()
+    with a, b:
+        reader = ControlReader(b, stage_bytes=4096, max_inline=64)
+        sink = _Sink()
+        a.sendall(wire.encode_inline(1, 0, 3) + b"abc")
+        assert reader.pump(sink, done=lambda: bool(sink.got)) is True and len(sink.got) == 1
+        a.sendall(wire.encode_inline(2, 0, 1) + b"z")
+        reader.pump(sink)
+        assert sink.got == [("whole", 1, b"abc"), ("whole", 2, b"z")]
+        with pytest.raises(ProtocolError, match="exceeds"):  # an inline record above max_inline
+            a.sendall(wire.encode_inline(3, 0, 65) + bytes(65))
+            reader.pump(sink)

@@ -38,7 +38,7 @@ import numpy as np
 from .. import wire
 from ..config import Config
 from ..errors import ProtocolError, RedsockError, TransportError
-from ..transport.sockets import advance_parts, read_available, shutdown_quietly, translate_oserror
+from ..transport.sockets import ControlReader, advance_parts, read_available, shutdown_quietly, translate_oserror
 from .aggregate import BufferPool
 
 log = logging.getLogger("redsock.server")
@@ -133,12 +133,8 @@ class Link:
         self.incoming: dict[tuple[int, int], _Incoming] = {}  # (tag, seq) -> a message arriving in slices
         self._announce_early: dict[int, np.ndarray | bytearray] = {}  # announces that overtook one
         self.max_early = MAX_AHEAD
-        # control stream receive state
-        self._stage = bytearray(STAGE_BYTES)
-        self._sview = memoryview(self._stage)
-        self._lo = self._hi = 0
-        self._ctarget: memoryview | None = None
-        self._cgot = 0
+        # control stream receive state: the record under way, for ctrl_end
+        self._crx = ControlReader(ctrl, STAGE_BYTES, max(inline_bytes, wire.ANNOUNCE_SIZE))
         self._crec: wire.CtrlRecord | None = None
         self._cbuf: np.ndarray | bytearray | None = None
         # send state
@@ -155,69 +151,27 @@ class Link:
     # -- receiving (owner loop only) --------------------------------------------------
 
     def on_ctrl(self) -> None:
-        """Parse what the control stream has: records and their payloads."""
-        sock, stage, sview = self.ctrl, self._stage, self._sview
-        drained = False  # a read came back short: the socket is empty (epoll says when more comes)
-        while True:
-            target = self._ctarget
-            if target is None:
-                lo, hi = self._lo, self._hi
-                if hi - lo >= wire.CTRL_SIZE:
-                    body = lo + wire.CTRL_SIZE
-                    rec = wire.decode_ctrl(sview[lo:body], max(self.inline_bytes, wire.ANNOUNCE_SIZE))
-                    end = body + rec.length
-                    if end <= hi and rec.type is wire.RecordType.INLINE:
-                        # The whole message is staged (a small one usually is): take it at once.
-                        self._lo = end
-                        buf = self._message_buffer(rec.tag, rec.seq, rec.length)
-                        memoryview(buf)[:] = sview[body:end]
-                        self._message(rec.tag, rec.seq, buf)
-                    else:
-                        self._lo = body
-                        self._start_record(rec)
-                    continue
-                if drained:
-                    return
-                if lo:  # keep a partial header at the front
-                    stage[:hi - lo] = stage[lo:hi]
-                    self._lo, self._hi = 0, hi - lo
-                room = STAGE_BYTES - self._hi
-                n = read_available(sock, sview[self._hi:])
-                if n is None:
-                    return
-                self._hi += n
-                drained = n < room
-                continue
-            want = len(target) - self._cgot
-            staged = self._hi - self._lo
-            if staged:
-                n = min(want, staged)
-                target[self._cgot:self._cgot + n] = sview[self._lo:self._lo + n]
-                self._lo += n
-            else:
-                if drained:
-                    return
-                n = read_available(sock, target[self._cgot:])
-                if n is None:
-                    return
-                drained = n < want
-            self._cgot += n
-            if n == want:
-                self._end_record()
+        """Parse what the control stream has: records and their payloads (until a read comes
+        back short: epoll says when more comes)."""
+        self._crx.pump(self)
 
-    def _start_record(self, rec: wire.CtrlRecord) -> None:
-        self._crec, self._cgot = rec, 0
+    def ctrl_whole(self, rec: wire.CtrlRecord, payload: memoryview) -> None:
+        """A message staged whole (a small one usually is): taken at once."""
+        buf = self._message_buffer(rec.tag, rec.seq, rec.length)
+        memoryview(buf).cast("B")[:] = payload
+        self._message(rec.tag, rec.seq, buf)
+
+    def ctrl_begin(self, rec: wire.CtrlRecord) -> memoryview:
+        self._crec = rec
         if rec.type == wire.RecordType.ABORT:
             self._cbuf = bytearray(rec.length)
         else:
             self._cbuf = self._message_buffer(rec.tag, rec.seq, rec.length)
-        self._ctarget = memoryview(self._cbuf).cast("B")
-        if rec.length == 0:
-            self._end_record()
+        return memoryview(self._cbuf).cast("B")
 
-    def _end_record(self) -> None:
+    def ctrl_end(self) -> None:
         rec, buf = self._crec, self._cbuf
-        self._ctarget = self._crec = self._cbuf = None
+        self._crec = self._cbuf = None
         assert rec is not None and buf is not None
         if rec.type == wire.RecordType.ABORT:
             reason = bytes(buf).decode(errors="replace")
@@ -457,7 +411,7 @@ class Link:
             self.pool.give(self._cbuf)
         self.incoming.clear()
         self.early.clear()
-        self._cbuf = self._ctarget = None
+        self._cbuf = None
 
     def _sockets(self) -> list[socket.socket]:
         return [self.ctrl, *(st.sock for st in self.streams)]

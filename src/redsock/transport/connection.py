@@ -39,7 +39,7 @@ from ..config import Config
 from ..errors import ConfigError, ProtocolError, RedsockError, Timeout, TransportError
 from . import zerocopy
 from .schedule import SendJob, make_schedule
-from .sockets import StreamReader, advance_parts, read_available, send_all, shutdown_quietly, translate_oserror
+from .sockets import ControlReader, StreamReader, advance_parts, send_all, shutdown_quietly, translate_oserror
 
 log = logging.getLogger("redsock.transport")
 
@@ -229,11 +229,8 @@ class Connection:
         self._streams_ended = 0
         # Control stream, receive side: read by whichever waiter holds the lock.
         self._ctrl_rx_lock = threading.Lock()
-        self._crx_stage = bytearray(CTRL_STAGE_BYTES)
-        self._crx_view = memoryview(self._crx_stage)
-        self._crx_lo = self._crx_hi = 0  # staged bytes not yet parsed
-        self._crx_target: memoryview | None = None
-        self._crx_tfilled = 0
+        self._crx = ControlReader(ctrl, CTRL_STAGE_BYTES, max(self.inline_bytes, 0))
+        self._crx_target: memoryview | None = None  # the record under way (ControlReader's sink)
         self._crx_owner: Handle | _Unexpected | None = None
         self._crx_key = (0, 0)
         self._crx_abort = False
@@ -550,7 +547,7 @@ class Connection:
             try:
                 # Not spinning, and nothing staged: ask the kernel first (a read that finds
                 # the socket empty costs more than the poll that says so).
-                read = spin_s > 0 or self._crx_hi > self._crx_lo
+                read = spin_s > 0 or self._crx.staged
                 while not h._done:
                     if read and self._pump_ctrl(until=h):
                         spin_until = time.perf_counter() + spin_s
@@ -625,59 +622,10 @@ class Connection:
 
     def _pump_ctrl(self, until: Handle | None = None) -> bool:
         """Read whatever the control stream has, without blocking; True if anything moved.
-        With ``until``: return as soon as it is complete and nothing read is left unparsed
-        (the waiter needs no extra read just to learn the socket is empty).  Caller holds
-        the rx lock.
+        With ``until``: return as soon as it is complete.  Caller holds the rx lock."""
+        return self._crx.pump(self, None if until is None else lambda: until._done)
 
-        Reads go through a small staging buffer, so one ``recv`` usually brings a whole
-        small record (header and payload); payloads larger than what is staged continue
-        straight into their buffer."""
-        sock, stage, view = self._ctrl, self._crx_stage, self._crx_view
-        progressed = False
-        while True:
-            target = self._crx_target
-            if target is None:
-                lo, hi = self._crx_lo, self._crx_hi
-                if hi - lo >= wire.CTRL_SIZE:
-                    progressed = True
-                    body = lo + wire.CTRL_SIZE
-                    rec = wire.decode_ctrl(view[lo:body], max(self.inline_bytes, 0))
-                    if body + rec.length <= hi and rec.type is wire.RecordType.INLINE:
-                        # The whole message is staged (a small one usually is): deliver it at once.
-                        self._crx_lo = body + rec.length
-                        self._deliver_staged(rec, view[body:body + rec.length])
-                    else:
-                        self._crx_lo = body
-                        self._start_ctrl_record(rec)
-                    continue
-                if until is not None and until._done and lo == hi:
-                    return True
-                if lo:  # keep a partial header at the front
-                    stage[:hi - lo] = stage[lo:hi]
-                    self._crx_lo, self._crx_hi = 0, hi - lo
-                n = read_available(sock, view[self._crx_hi:])
-                if n is None:
-                    return progressed
-                self._crx_hi += n
-                progressed = True
-            else:
-                filled = self._crx_tfilled
-                want = len(target) - filled
-                staged = self._crx_hi - self._crx_lo
-                if staged:
-                    n = min(want, staged)
-                    target[filled:filled + n] = view[self._crx_lo:self._crx_lo + n]
-                    self._crx_lo += n
-                else:
-                    n = read_available(sock, target[filled:])
-                    if n is None:
-                        return progressed
-                progressed = True
-                self._crx_tfilled = filled + n
-                if n == want:
-                    self._finish_ctrl_record()
-
-    def _deliver_staged(self, rec: wire.CtrlRecord, payload: memoryview) -> None:
+    def ctrl_whole(self, rec: wire.CtrlRecord, payload: memoryview) -> None:
         """An inline message that arrived whole: into its posted receive in one step."""
         key = (rec.tag, rec.seq)
         with self._lock:
@@ -695,7 +643,8 @@ class Connection:
         h.got = h.nbytes
         h._complete()
 
-    def _start_ctrl_record(self, rec: wire.CtrlRecord) -> None:
+    def ctrl_begin(self, rec: wire.CtrlRecord) -> memoryview:
+        """A control record whose payload was not staged whole: where it goes."""
         self._crx_abort = rec.type == wire.RecordType.ABORT
         if self._crx_abort:
             self._crx_owner = None
@@ -704,11 +653,9 @@ class Connection:
             self._crx_key = (rec.tag, rec.seq)
             owner, target = self._message_target(rec.tag, rec.seq, rec.length, 0, rec.length, rec.check)
             self._crx_owner, self._crx_target = owner, target
-        self._crx_tfilled = 0
-        if rec.length == 0:
-            self._finish_ctrl_record()
+        return self._crx_target
 
-    def _finish_ctrl_record(self) -> None:
+    def ctrl_end(self) -> None:
         target, owner = self._crx_target, self._crx_owner
         self._crx_target = self._crx_owner = None
         if self._crx_abort:

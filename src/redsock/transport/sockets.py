@@ -8,7 +8,10 @@ import ipaddress
 import logging
 import select
 import socket
+from collections.abc import Callable
+from typing import Protocol
 
+from .. import wire
 from ..config import Config
 from ..errors import Timeout, TransportError
 
@@ -76,6 +79,106 @@ def read_available(sock: socket.socket, view: memoryview) -> int | None:
     if n == 0:
         raise EOFError("peer closed the stream")
     return n
+
+
+class ControlSink(Protocol):
+    """Where a :class:`ControlReader` hands the records it parses."""
+
+    def ctrl_whole(self, rec: wire.CtrlRecord, payload: memoryview) -> None:
+        """An INLINE record that arrived whole (``payload`` is only valid during the call)."""
+
+    def ctrl_begin(self, rec: wire.CtrlRecord) -> memoryview:
+        """Any other record: the buffer of ``rec.length`` bytes its payload goes into."""
+
+    def ctrl_end(self) -> None:
+        """The payload of the record begun last is all in its buffer."""
+
+
+class ControlReader:
+    """The receiving side of a control stream, read without blocking: the same parser at both
+    ends of a connection (a worker's Connection, a reducer's Link).
+
+    Reads go through a small staging buffer, so one ``recv`` usually brings a whole small
+    record, often several.  An INLINE record staged whole goes to ``sink.ctrl_whole`` at once
+    (no thread hop and no second buffer for a small message); any other record's payload fills
+    the buffer ``sink.ctrl_begin`` returns, from the stage and then straight from the socket.
+    """
+
+    def __init__(self, sock: socket.socket, stage_bytes: int, max_inline: int):
+        self.sock, self.max_inline = sock, max_inline
+        self._stage = bytearray(stage_bytes)
+        self._view = memoryview(self._stage)
+        self._lo = self._hi = 0  # staged bytes not yet parsed
+        self._target: memoryview | None = None  # the payload under way, if any
+        self._filled = 0
+
+    @property
+    def staged(self) -> bool:
+        """Whether bytes already read wait to be parsed."""
+        return self._hi > self._lo
+
+    def pump(self, sink: ControlSink, done: Callable[[], bool] | None = None) -> bool:
+        """Parse what the socket has; True if anything moved.  Returns once a read comes back
+        short or finds nothing (the socket is empty: the caller polls for more), or, with
+        ``done``, as soon as it holds and nothing read is left unparsed (a waiter needs no extra
+        read just to learn that the socket is empty)."""
+        sock, view = self.sock, self._view
+        progressed = drained = False
+        while True:
+            target = self._target
+            if target is None:
+                lo, hi = self._lo, self._hi
+                if hi - lo >= wire.CTRL_SIZE:
+                    progressed = True
+                    body = lo + wire.CTRL_SIZE
+                    rec = wire.decode_ctrl(view[lo:body], self.max_inline)
+                    end = body + rec.length
+                    if end <= hi and rec.type is wire.RecordType.INLINE:
+                        self._lo = end
+                        sink.ctrl_whole(rec, view[body:end])
+                    else:
+                        self._lo = body
+                        self._begin(sink, rec)
+                    continue
+                if done is not None and lo == hi and done():
+                    return True
+                if drained:
+                    return progressed
+                if lo:  # keep a partial header at the front
+                    self._stage[:hi - lo] = self._stage[lo:hi]
+                    self._lo, self._hi = 0, hi - lo
+                room = len(view) - self._hi
+                n = read_available(sock, view[self._hi:])
+                if n is None:
+                    return progressed
+                self._hi += n
+                progressed, drained = True, n < room
+                continue
+            want = len(target) - self._filled
+            staged = self._hi - self._lo
+            if staged:
+                n = min(want, staged)
+                target[self._filled:self._filled + n] = view[self._lo:self._lo + n]
+                self._lo += n
+            else:
+                if drained:
+                    return progressed
+                n = read_available(sock, target[self._filled:])
+                if n is None:
+                    return progressed
+                drained = n < want
+            progressed = True
+            self._filled += n
+            if n == want:
+                self._target = None
+                sink.ctrl_end()
+
+    def _begin(self, sink: ControlSink, rec: wire.CtrlRecord) -> None:
+        target = sink.ctrl_begin(rec)
+        if len(target):
+            self._target, self._filled = target, 0
+        else:
+            sink.ctrl_end()
 
 
 class StreamReader:

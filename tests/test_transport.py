@@ -651,3 +651,21 @@ def test_control_reader_stops_once_the_waiter_is_done():
         with pytest.raises(ProtocolError, match="exceeds"):  # an inline record above max_inline
             a.sendall(wire.encode_inline(3, 0, 65) + bytes(65))
             reader.pump(sink)
+
+
+def test_the_peers_reason_survives_a_stream_failure_while_a_waiter_reads_the_control_stream(make_pair):
+    """The peer aborts with a reason (the ranks it found failed) and closes; a send then meets
+    a broken pipe while another thread holds the control stream, as a waiting inline receive
+    does.  The failure must still carry the peer's reason: a rank that relays a failure would
+    otherwise be named as the failed one (seen once in a test killing a local rank)."""
+    client, server = make_pair(nsocks=2)
+    client._ctrl_rx_lock.acquire()  # (what a waiter in an inline receive holds while it polls)
+    try:
+        server.abort("[failed ranks: 5] rank 0 gives up")
+        server.close()  # the client's bytes unread there: its sends meet a reset
+        h = client.isend(np.zeros(16 << 20, np.uint8))
+        time.sleep(0.3)
+    finally:
+        client._ctrl_rx_lock.release()
+    with pytest.raises(TransportError, match=r"\[failed ranks: 5\] rank 0 gives up"):
+        h.wait(10)

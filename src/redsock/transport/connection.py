@@ -45,6 +45,9 @@ log = logging.getLogger("redsock.transport")
 
 _PROGRESS_CHECK_S = 1.0  # how often a blocked waiter looks for progress on a large message
 _EVENT_LOCK = threading.Lock()
+#: How long a stream's failure waits for a waiter reading the control stream, which meets the
+#: peer's ABORT record (its reason) there, before it reports the failure as its own.
+PEER_REASON_WAIT_S = 1.0
 CTRL_STAGE_BYTES = 4096  # one control-stream read brings a whole small record, often several
 # A data-stream reader is woken at most once per this many bytes (one wake-up per slice: slices
 # are at most 4 MiB by default).  4 ranks on loopback, 64 MiB ring all-reduce, against waking
@@ -327,7 +330,7 @@ class Connection:
             try:
                 self._pump_ctrl()
             except (OSError, EOFError, RedsockError) as e:
-                self._io_failed(e, "recv")
+                self._io_failed(e, "recv", reading_ctrl=True)
             finally:
                 self._ctrl_rx_lock.release()
         return self._irecv(buf, tag, check, only_arrived=True)
@@ -423,11 +426,14 @@ class Connection:
         for s in [self._ctrl, *self._data]:
             shutdown_quietly(s)
 
-    def _io_failed(self, exc: BaseException, op: str) -> None:
+    def _io_failed(self, exc: BaseException, op: str, reading_ctrl: bool = False) -> None:
+        """``exc`` ended an operation on a stream.  ``reading_ctrl``: the caller holds the
+        control stream (it met the end there itself, after whatever the peer said)."""
         if self._error is not None:
             return
         if isinstance(exc, (EOFError, ConnectionResetError, BrokenPipeError)) and not isinstance(exc, ProtocolError):
-            self._take_peer_reason()
+            if not reading_ctrl:
+                self._take_peer_reason()
             if self._error is not None:
                 return
         self._abort(exc if isinstance(exc, RedsockError) else translate_oserror(exc, self.peer, op))
@@ -450,17 +456,23 @@ class Connection:
                     notify_peer=False)
 
     def _take_peer_reason(self) -> None:
-        """The peer closed: if it said why (an ABORT record), fail with its reason."""
-        if self._ctrl_rx_lock.acquire(blocking=False):
-            try:
-                self._pump_ctrl()
-            except RedsockError as e:
-                if isinstance(e, TransportError) and e.op == "peer abort":
-                    self._abort(e, notify_peer=False)
-            except (OSError, EOFError):
-                pass
-            finally:
-                self._ctrl_rx_lock.release()
+        """The peer closed: if it said why (an ABORT record, sent before it closed), fail with
+        its reason.  A waiter reading the control stream meets that record itself: wait for it
+        to do so or to let go (a data stream's reset otherwise wins, and a failure reported by
+        the peer would name the peer)."""
+        deadline = time.monotonic() + PEER_REASON_WAIT_S
+        while not self._ctrl_rx_lock.acquire(timeout=0.01):
+            if self._error is not None or time.monotonic() >= deadline:
+                return
+        try:
+            self._pump_ctrl()
+        except RedsockError as e:
+            if isinstance(e, TransportError) and e.op == "peer abort":
+                self._abort(e, notify_peer=False)
+        except (OSError, EOFError):
+            pass
+        finally:
+            self._ctrl_rx_lock.release()
 
     # -- waiting ------------------------------------------------------------
 
@@ -563,7 +575,7 @@ class Connection:
                         return
                     self._ctrl_poll.poll(int(min(deadline - now, 0.05) * 1000) + 1)
             except (OSError, EOFError, RedsockError) as e:
-                self._io_failed(e, "recv")
+                self._io_failed(e, "recv", reading_ctrl=True)
             finally:
                 self._ctrl_rx_lock.release()
 

@@ -92,6 +92,8 @@ def check_dtype(dtype: DTypeLike) -> np.dtype:
     Raises :class:`ConfigError` naming the supported dtypes otherwise (including
     byte-swapped dtypes: the wire is little-endian, native order).
     """
+    if isinstance(dtype, np.dtype) and dtype in _CODE_OF:  # the common case, first: it is on every call's path
+        return dtype
     if isinstance(dtype, str):
         return dtype_from_name(dtype)
     if dtype is None:  # np.dtype(None) would silently mean float64

@@ -295,6 +295,17 @@ class Communicator:
         ctx = CallContext(self.peers, self.rank, self.world_size, _COLLECTIVE_TAG | seq, check,
                           timeout_for_call(self.config.timeout_s), self._pool, seq, self.servers)
 
+        if not async_op:  # straight through, in the caller's thread (no closures: small calls count µs)
+            try:
+                rest = body(ctx)
+                if rest is not None:
+                    rest()
+            except RedsockError as e:
+                raise self._failed(name, seq, e) from e
+            finally:
+                ctx.release()
+            return None
+
         def guarded(step: Callable[[], Finish | None]) -> Finish | None:
             try:
                 return step()
@@ -316,11 +327,6 @@ class Communicator:
                 if rest is None:  # failed, or complete: nothing left for finish() to release
                     ctx.release()
 
-        if not async_op:
-            rest = start()
-            if rest is not None:
-                finish(rest)
-            return None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"redsock-r{self.rank}")
             self._drainer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"redsock-r{self.rank}-drain")
@@ -380,6 +386,7 @@ class Communicator:
 
 
 @functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)  # a training loop repeats a few signatures
 def _signature_check(name: str, signature: tuple) -> int:
     """16 bits every message of a call carries; ranks that disagree on the call differ here."""
     return zlib.crc32(repr((name, *[str(s) for s in signature])).encode()) & 0xFFFF

@@ -95,6 +95,7 @@ class Hierarchy:
         self._tickets = itertools.count()
         self._next = 0
         self._turn = threading.Condition()
+        self._waiting = 0  # calls waiting for their turn (changed under _turn)
         self._broken = False
         self._timeout_s = config.timeout_s
 
@@ -109,17 +110,22 @@ class Hierarchy:
         """Run ``body(ctx)`` once the calls drawn before ``ticket`` are done with the arena."""
         if self._next != ticket or self._broken:  # (no lock needed to see that it is our turn)
             with self._turn:
-                if not self._turn.wait_for(lambda: self._next == ticket or self._broken, self._timeout_s):
-                    raise Timeout(f"an earlier shared-memory collective did not finish in {self._timeout_s:g}s",
-                                  op="shared-memory collective")
+                self._waiting += 1  # before the check: a call finishing now sees that it must notify
+                try:
+                    if not self._turn.wait_for(lambda: self._next == ticket or self._broken, self._timeout_s):
+                        raise Timeout(f"an earlier shared-memory collective did not finish in "
+                                      f"{self._timeout_s:g}s", op="shared-memory collective")
+                finally:
+                    self._waiting -= 1
                 if self._broken:
                     raise PeerFailure("the communicator failed or was closed", ranks=())
         try:
             body(ctx)
         finally:
-            with self._turn:
-                self._next = ticket + 1
-                self._turn.notify_all()
+            self._next = ticket + 1
+            if self._waiting:  # (the lock and notify cost a small call a microsecond or two)
+                with self._turn:
+                    self._turn.notify_all()
 
     def inter_algorithm(self, nbytes: int) -> str:
         """The algorithm this rank's inter-host group picks for one shard of an ``nbytes``

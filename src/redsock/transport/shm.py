@@ -53,6 +53,8 @@ HEADER_BYTES = 4096
 #: apart modulo a page are memcpy's slow case on AMD (see :func:`redsock.ops.copy`).
 DATA_SKEW = 2048
 _NOTE_MAX = HEADER_BYTES - _NOTE_OFFSET
+#: How many arrays of region views :meth:`LocalGroup.rows` keeps (a training loop's few shapes).
+_VIEWS_KEPT = 64
 #: Longest futex sleep before a waiter looks at its peers' pidfds again.
 DEATH_CHECK_S = 0.05
 
@@ -108,7 +110,11 @@ class LocalGroup:
         base = self._bytes.ctypes.data
         self._step_addr = [base + lr * _LINE_WORDS * 8 for lr in range(self.size)]
         self._fence = threading.Lock()
-        self._steps = self._words[0:self.size * _LINE_WORDS:_LINE_WORDS]  # every rank's counter
+        # Every rank's counter, signatures and sleep word, as strided views (read in C, not a Python loop).
+        self._steps = self._words[0:self.size * _LINE_WORDS:_LINE_WORDS]
+        self._signatures = [self._words[w:self.size * _LINE_WORDS:_LINE_WORDS] for w in (1, 2)]
+        self._sleeps = self._words[_SLEEP:self.size * _LINE_WORDS:_LINE_WORDS]
+        self._views: dict[tuple[int, np.dtype, int], np.ndarray] = {}  # rows() of recent calls
         self._pidfds: dict[int, int] = {}
         try:
             self._poll = select.poll()
@@ -168,9 +174,15 @@ class LocalGroup:
     def rows(self, half: int, dtype: np.dtype, count: int) -> np.ndarray:
         """Every local rank's region (one half) at once: row ``lr`` is ``local_rank``'s
         first ``count`` elements, viewed as ``dtype``."""
-        return np.ndarray((self.size, count), dtype, buffer=self._mm,
-                          offset=HEADER_BYTES + DATA_SKEW + half * self.region_bytes,
-                          strides=(2 * self.region_bytes, dtype.itemsize))
+        key = (half, dtype, count)
+        view = self._views.get(key)
+        if view is None:  # (making one costs more than a small collective's copy and reduction)
+            if len(self._views) >= _VIEWS_KEPT:
+                self._views.clear()
+            view = self._views[key] = np.ndarray((self.size, count), dtype, buffer=self._mm,
+                                                 offset=HEADER_BYTES + DATA_SKEW + half * self.region_bytes,
+                                                 strides=(2 * self.region_bytes, dtype.itemsize))
+        return view
 
     # -- synchronisation ---------------------------------------------------------------
 
@@ -190,14 +202,13 @@ class LocalGroup:
         w[self.me * _LINE_WORDS] = self.step
         with self._fence:  # a locked instruction orders the store above before the loads below
             pass
-        for lr in range(self.size):
-            if w[lr * _LINE_WORDS + _SLEEP] == self.me + 1:
-                _futex_wake(self._step_addr[self.me])
-                break
-        self._wait(self.step, self.spin_s if spin_us is None else spin_us / 1e6, timeout_s or self.timeout_s)
+        if self.me + 1 in self._sleeps:
+            _futex_wake(self._step_addr[self.me])
+        if min(self._steps) < self.step:
+            self._wait(self.step, self.spin_s if spin_us is None else spin_us / 1e6, timeout_s or self.timeout_s)
         if signature is not None:
-            others = {w[lr * _LINE_WORDS + sig_word] for lr in range(self.size)}
-            if len(others) > 1:
+            signatures = self._signatures[sig_word - 1]
+            if min(signatures) != max(signatures):
                 raise ProtocolError(f"rank {self.ranks[self.me]}: the ranks of this host called different "
                                     "collectives (the ranks called different collectives, or with different "
                                     "dtype, size or op)", peer="local ranks", op="shared-memory collective")
@@ -207,9 +218,6 @@ class LocalGroup:
         return [lr for lr in range(self.size) if w[lr * _LINE_WORDS] < step]
 
     def _wait(self, step: int, spin_s: float, timeout_s: float) -> None:
-        missing = self._missing(step)
-        if not missing:
-            return
         now = time.monotonic()
         spin_end, deadline = now + spin_s, now + timeout_s
         steps = self._steps
@@ -270,7 +278,9 @@ class LocalGroup:
             os.close(fd)
         self._pidfds = {}
         if hasattr(self, "_words"):
-            self._steps.release()
+            self._views.clear()
+            for view in (self._steps, self._sleeps, *self._signatures):
+                view.release()
             self._words.release()
             del self._bytes
             try:

@@ -126,6 +126,8 @@ class Communicator:
         rop = ops.ReduceOp.parse(op)
         algo = self.choose_algorithm(x.nbytes, algorithm)
         if algo == "hier":
+            if not async_op and self.hier.runs_here(x.nbytes):
+                return self._all_reduce_here(x, rop)
             return self._run("all_reduce", (x.dtype, x.size, rop, algo),
                              lambda ctx: self.hier.all_reduce(ctx, x, rop), async_op, shared=True)
         run = ALLREDUCE_ALGORITHMS[algo]
@@ -285,12 +287,9 @@ class Communicator:
         results: an async call then hands it to the drain thread, and the next call starts
         while this one drains (calls start in order; drains finish in order).  ``shared``:
         the body uses the shared-memory arena, which serves calls one at a time in call order."""
-        self._check_usable()
-        with self._seq_lock:  # every rank numbers its calls the same way: the tag is the call number
-            seq = self._seq
-            self._seq += 1
-            if shared:
-                body = functools.partial(self.hier.in_turn, self.hier.ticket(), body)
+        seq, ticket = self._number_call(shared)
+        if shared:
+            body = functools.partial(self.hier.in_turn, ticket, body)
         check = _signature_check(name, signature)
         ctx = CallContext(self.peers, self.rank, self.world_size, _COLLECTIVE_TAG | seq, check,
                           timeout_for_call(self.config.timeout_s), self._pool, seq, self.servers)
@@ -343,6 +342,25 @@ class Communicator:
         # ones) keep the caller's call_timeout.
         _chain(self._executor.submit(contextvars.copy_context().run, run), done, only_failures=True)
         return Work(done)
+
+    def _number_call(self, shared: bool) -> tuple[int, int]:
+        """The next call's number and, for one that uses the shared arena (``shared``), its
+        ticket there (else -1)."""
+        self._check_usable()
+        with self._seq_lock:  # every rank numbers its calls the same way: the tag is the call number
+            seq = self._seq
+            self._seq += 1
+            return seq, self.hier.ticket() if shared else -1
+
+    def _all_reduce_here(self, x: np.ndarray, rop: ops.ReduceOp) -> None:
+        """A small synchronous all-reduce on one host: :meth:`Hierarchy.all_reduce_here`,
+        with none of :meth:`_run`'s call context (it says why)."""
+        seq, ticket = self._number_call(shared=True)
+        check = _signature_check("all_reduce", (x.dtype, x.size, rop, "hier"))
+        try:
+            self.hier.all_reduce_here(ticket, x, rop, seq, check, timeout_for_call(self.config.timeout_s))
+        except RedsockError as e:
+            raise self._failed("all_reduce", seq, e) from e
 
     def _p2p(self, peer: int, what: str, io: Callable[[Any], None]) -> None:
         self._check_usable()

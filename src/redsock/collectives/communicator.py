@@ -404,7 +404,6 @@ class Communicator:
 
 
 @functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=1024)  # a training loop repeats a few signatures
 def _signature_check(name: str, signature: tuple) -> int:
     """16 bits every message of a call carries; ranks that disagree on the call differ here."""
     return zlib.crc32(repr((name, *[str(s) for s in signature])).encode()) & 0xFFFF

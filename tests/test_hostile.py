@@ -152,3 +152,22 @@ def test_job_identity_is_bound_to_the_connection():
             a1.recv(np.empty(4, np.float32), wire.piece_tag(1, 0), timeout=5)
         for c in (a0, a1, thief):
             c.close()
+
+
+def test_a_piece_beyond_its_announce_cuts_the_connection():
+    """A piece sent on its own for a call whose only piece here rides in its announce is one
+    too many: the reducer cuts the connection instead of summing either."""
+    cfg = Config(timeout_s=10, token=TOKEN)
+    with ReductionServer("127.0.0.1", 0, config=cfg) as server:
+        c = connect(server.address, config=cfg, name="extra")
+        try:
+            c.send(np.ones(4, np.float32), wire.piece_tag(0, 0), timeout=5)  # ahead of its announce
+            ann = wire.Announce(job=333, op_seq=0, dtype_code=ops.dtype_code(np.float32),
+                                op_code=ops.ReduceOp.SUM.code, world=1, rank=0, flags=0, count=4, piece_elems=4,
+                                nservers=1, server_index=0)
+            c.send(ann.encode() + np.ones(4, np.float32).tobytes(), wire.ANNOUNCE_TAG, timeout=5)
+            with pytest.raises(RedsockError):
+                c.recv(np.empty(4, np.float32), wire.piece_tag(0, 0), timeout=5)
+        finally:
+            c.close()
+        assert server.stats()["rounds"] == 0

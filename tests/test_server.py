@@ -9,12 +9,15 @@ import tempfile
 import threading
 import time
 
+import numpy as np
 import pytest
 
+from redsock import ops
 from redsock.bench.procs import stop_processes
 from redsock.collectives.server_client import FALLBACK_WARNING_S, piece_elements
 from redsock.config import Config
 from redsock.server import ReductionServer
+from redsock.server.aggregate import BufferPool, Piece
 from redsock.transport import connect
 from test_collectives import digests, run_world
 
@@ -129,6 +132,37 @@ def test_next_call_reaches_the_reducer_while_the_previous_one_waits_for_results(
             world.join(150)
         assert rounds == 2
         ok(outs["ranks"])
+
+
+@pytest.mark.parametrize("borrowed_first", [False, True])
+@pytest.mark.parametrize("ordered", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64])
+def test_piece_sums_borrowed_and_pooled_contributions(ordered, dtype, borrowed_first):
+    """A piece takes contributions read in place (borrowed: their memory is reused as soon as
+    ``add`` returns) and pooled ones (kept, or made the accumulator) in any arrival order, and
+    sums them bit for bit as numpy does in its combining order: rank order when ordered."""
+    world, count, arrival = 4, 1000, [3, 2, 0, 1]
+    rng = np.random.default_rng(7)
+    data = [(rng.integers(-1 << 40, 1 << 40, count) if dtype == np.int64 else rng.standard_normal(count))
+            .astype(dtype) for _ in range(world)]
+    pool = BufferPool()
+    piece = Piece(np.dtype(dtype), count, world, ops.ReduceOp.SUM, ordered, pool)
+    scratch = np.empty(piece.nbytes, np.uint8)
+    for i, r in enumerate(arrival):
+        if i % 2 != borrowed_first:
+            scratch[:] = data[r].view(np.uint8)
+            result = piece.add(r, scratch, borrowed=True)
+            scratch[:] = 0xFF  # the caller's next message lands here
+        else:
+            buf = pool.take(piece.nbytes)
+            buf[:] = data[r].view(np.uint8)
+            result = piece.add(r, buf)
+        assert (result is None) == (i < world - 1)
+    acc = None
+    for r in (range(world) if ordered else arrival):
+        x = data[r].astype(ops.accum_dtype(dtype))
+        acc = x if acc is None else acc + x
+    assert result.view(dtype).tobytes() == acc.astype(dtype).tobytes()
 
 
 def test_deterministic_mode_repeats_bitwise(reducers):

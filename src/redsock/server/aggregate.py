@@ -74,28 +74,29 @@ class Piece:
         # piece's whole cost is a few such calls); 16-bit ones go through ops.combine.
         self._ufunc = ops.ufunc_of(self.op) if ops.accum_dtype(self.dtype) == self.dtype else None
 
-    def add(self, rank: int, contribution: np.ndarray) -> np.ndarray | None:
-        """Combine ``contribution`` (a pooled buffer, now owned by the piece) from ``rank``.
+    def add(self, rank: int, contribution: np.ndarray, borrowed: bool = False) -> np.ndarray | None:
+        """Combine ``contribution`` (``nbytes`` bytes: a pooled buffer, now owned by the piece;
+        or, ``borrowed``, memory valid during the call only) from ``rank``.
 
         Returns the reduced piece (a pooled buffer in the workers' dtype) once every rank
         has contributed, else None.
         """
-        x = contribution[: self.nbytes].view(self.dtype)
         with self.lock:
             if rank in self.ranks_in:
                 raise ProtocolError(f"rank {rank} contributed to the same piece twice")
             self.ranks_in.add(rank)
             self.arrived += 1
-            if self.ordered:
+            if not self.ordered:
+                self._combine(contribution, borrowed)
+            else:
+                if borrowed and rank != self.next_rank:  # kept until its turn: copied
+                    own = self.pool.take(self.nbytes)
+                    own[:] = contribution
+                    contribution, borrowed = own, False
                 self.waiting[rank] = contribution
                 while self.next_rank in self.waiting:
-                    buf = self.waiting.pop(self.next_rank)
-                    self._combine(buf[: self.nbytes].view(self.dtype))
-                    self.pool.give(buf)
+                    self._combine(self.waiting.pop(self.next_rank), borrowed and self.next_rank == rank)
                     self.next_rank += 1
-            else:
-                self._combine(x)
-                self.pool.give(contribution)
             if self.arrived < self.world:
                 return None
             acc, self.acc = self.acc, None
@@ -107,14 +108,24 @@ class Piece:
             self.pool.give(acc)
             return out_buf
 
-    def _combine(self, x: np.ndarray) -> None:
+    def _combine(self, buf: np.ndarray, borrowed: bool) -> None:
+        x = buf.view(self.dtype)
         if self.acc is None:
-            wide = ops.accum_dtype(self.dtype)
-            self.acc = ops.init_acc(x, self.pool.take(self.count * wide.itemsize).view(wide))
+            if self._ufunc is None:  # 16-bit contributions: widened into the accumulator
+                wide = ops.accum_dtype(self.dtype)
+                self.acc = ops.init_acc(x, self.pool.take(self.count * wide.itemsize).view(wide))
+            elif borrowed:
+                self.acc = self.pool.take(self.nbytes).view(self.dtype)
+                ops.copy(self.acc, x)
+            else:
+                self.acc = x  # the first contribution becomes the accumulator: no copy
+                return
         elif self._ufunc is not None:
             self._ufunc(self.acc, x, out=self.acc)
         else:
             ops.combine(self.acc, x, self.op)
+        if not borrowed:
+            self.pool.give(buf)
 
     def release(self) -> None:
         """Give back what an aborted piece holds."""

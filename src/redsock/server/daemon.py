@@ -163,17 +163,24 @@ class ReductionServer:
                                 f"announced job {ann.job:#x} rank {ann.rank}")
         rnd = self._round(ann)
         mine = ann.my_pieces()
-        entry = link.pending[ann.op_seq] = _Pending(rnd, len(mine))
-        if len(payload) > wire.ANNOUNCE_SIZE:  # the call's only piece here came along
-            if len(mine) != 1:
-                raise ProtocolError(f"{link.peer} sent a piece with announce #{ann.op_seq}, "
-                                    f"which has {len(mine)} pieces here")
-            # Summed where it lies: the record's buffer is this message's alone.
-            piece = np.frombuffer(payload, np.uint8, len(payload) - wire.ANNOUNCE_SIZE, wire.ANNOUNCE_SIZE)
-            self._contribute(link, ann.op_seq, entry, mine[0], piece)
-        if link.early:
+        inline = len(payload) > wire.ANNOUNCE_SIZE  # the call's only piece here came along
+        if inline and len(mine) != 1:
+            raise ProtocolError(f"{link.peer} sent a piece with announce #{ann.op_seq}, "
+                                f"which has {len(mine)} pieces here")
+        entry = None if inline else _Pending(rnd, len(mine))
+        if entry is not None:
+            link.pending[ann.op_seq] = entry
+        if link.early:  # pieces that overtook their announce (they came on the data streams)
             for tag in [t for t in link.early if _op_seq(t) == ann.op_seq]:
-                self._contribute(link, ann.op_seq, entry, tag & wire.MAX_PIECES, link.early.pop(tag))
+                buf = link.early.pop(tag)
+                if entry is None or entry.left == 0:
+                    self.pool.give(buf)
+                    raise ProtocolError(f"{link.peer} sent more pieces of all-reduce #{ann.op_seq} "
+                                        f"than its announce has here")
+                self._piece_of(link, ann.op_seq, entry, tag, buf)
+        if inline:  # summed where it lies (the piece copies it only if it must wait for its turn)
+            piece = np.frombuffer(payload, np.uint8, len(payload) - wire.ANNOUNCE_SIZE, wire.ANNOUNCE_SIZE)
+            self._contribute(link, rnd, mine[0], piece, borrowed=True)
 
     def on_piece(self, link: Link, tag: int, buf: np.ndarray) -> None:
         op_seq = _op_seq(tag)
@@ -184,7 +191,7 @@ class ReductionServer:
                 raise ProtocolError(f"{link.peer} sent more pieces ahead than its credits allow")
             link.early[tag] = buf
             return
-        self._contribute(link, op_seq, entry, tag & wire.MAX_PIECES, buf)
+        self._piece_of(link, op_seq, entry, tag, buf)
 
     def on_progress(self, link: Link) -> None:
         now = time.monotonic()
@@ -233,19 +240,24 @@ class ReductionServer:
             rnd.last_progress = time.monotonic()
             return rnd
 
-    def _contribute(self, link: Link, op_seq: int, entry: _Pending, p: int, buf: np.ndarray) -> None:
-        """Add ``buf`` (a pooled buffer, now the round's) to piece ``p``; send the result if complete."""
-        rnd = entry.round
-        piece = rnd.pieces.get(p)
-        if piece is None or buf.nbytes != piece.nbytes:
-            self.pool.give(buf)
-            what = "is not this reducer's" if piece is None else f"is {buf.nbytes} bytes, expected {piece.nbytes}"
-            raise ProtocolError(f"{link.peer}: piece {p} of all-reduce #{op_seq} {what}")
+    def _piece_of(self, link: Link, op_seq: int, entry: _Pending, tag: int, buf: np.ndarray) -> None:
+        """A piece that came on its own (after its announce): one less owed."""
         entry.left -= 1
         if entry.left == 0:
             del link.pending[op_seq]
+        self._contribute(link, entry.round, tag & wire.MAX_PIECES, buf)
+
+    def _contribute(self, link: Link, rnd: Round, p: int, buf: np.ndarray, borrowed: bool = False) -> None:
+        """Add ``buf`` (a pooled buffer, now the round's; or, ``borrowed``, memory valid during the
+        call only) to piece ``p``; send the result if complete."""
+        piece = rnd.pieces.get(p)
+        if piece is None or buf.nbytes != piece.nbytes:
+            if not borrowed:
+                self.pool.give(buf)
+            what = "is not this reducer's" if piece is None else f"is {buf.nbytes} bytes, expected {piece.nbytes}"
+            raise ProtocolError(f"{link.peer}: piece {p} of all-reduce #{rnd.op_seq} {what}")
         rnd.last_progress = time.monotonic()
-        result = piece.add(link.identity[1], buf)  # type: ignore[index]
+        result = piece.add(link.identity[1], buf, borrowed)  # type: ignore[index]
         if self._metrics:
             self._metrics.bytes_in.inc(buf.nbytes)
         if result is not None:

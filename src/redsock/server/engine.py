@@ -55,7 +55,8 @@ _OUT = select.EPOLLOUT
 class Handler(Protocol):
     """What the server does with a connection's decoded messages (called on its loop's thread)."""
 
-    def on_announce(self, link: "Link", payload: memoryview) -> None: ...
+    def on_announce(self, link: "Link", payload: memoryview) -> None:
+        """``payload`` may be the control stream's staging buffer: valid during the call only."""
 
     def on_piece(self, link: "Link", tag: int, buf: np.ndarray) -> None: ...
 
@@ -156,7 +157,12 @@ class Link:
         self._crx.pump(self)
 
     def ctrl_whole(self, rec: wire.CtrlRecord, payload: memoryview) -> None:
-        """A message staged whole (a small one usually is): taken at once."""
+        """A message staged whole (a small one usually is): taken at once.  An announce in
+        turn (nearly always) is handled where it lies; anything else gets its own buffer."""
+        if rec.tag == wire.ANNOUNCE_TAG and rec.seq == self.announces and not self._announce_early:
+            self.announces += 1
+            self.handler.on_announce(self, payload)
+            return
         buf = self._message_buffer(rec.tag, rec.seq, rec.length)
         memoryview(buf).cast("B")[:] = payload
         self._message(rec.tag, rec.seq, buf)

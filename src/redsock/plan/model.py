@@ -4,7 +4,7 @@ The model is a pipeline bound: an algorithm's time is its per-message latency pl
 slowest of the resources every byte must pass through, each taking its bytes at its own
 rate, because pieces stream through all of them at once::
 
-    T = steps x per-step latency + max_r (bytes through r / rate of r)  [+ pipeline drain]
+    T = steps x per-step latency + max_r (bytes through r / rate of r)  [+ pipeline fill / drain]
 
 Resources: the host NIC (each way; payload rate = line rate x goodput factor), a rank's
 reduction (numpy add), a rank's in-host traffic (shared memory, or TCP loopback for gloo),
@@ -12,6 +12,10 @@ a reducer's NIC and a reducer's CPU.  Bytes per host NIC follow DESIGN.md sectio
 flat ring 2S(N-1)/N, hierarchical ring 2S(H-1)/H, flat reducers L*S, hierarchical reducers S.
 Hierarchical algorithms run three phases one after another (in-host reduce-scatter, the
 inter-host algorithm on S/L per rank, in-host all-gather), so their phases add up.
+
+Reducers forward a piece only once they hold all of it: the last pieces still cross the NICs
+after the upload (drain), and a reducer NIC as loaded as a host's starts only once a first
+piece is whole (fill).
 
 Recursive doubling is not pipelined: each of its rounds sends the whole buffer and waits,
 so its rounds add up, each bound by the busiest host NIC in that round.
@@ -29,7 +33,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..collectives.server_client import MIN_PIECE_BYTES, PIECES_PER_SERVER
+from ..config import Config
 from ..errors import ConfigError
+from ..server.daemon import WINDOW
 from .profile import Profile
 
 __all__ = ["ALGORITHMS", "LABELS", "REDUCER_ALGORITHMS", "Cluster", "Prediction", "applicable", "ddp_step_s",
@@ -46,6 +52,9 @@ LABELS = {
 }
 ALGORITHMS = tuple(LABELS)
 REDUCER_ALGORITHMS = ("reducers", "hreducers")
+#: A rank's data streams per link, and the largest message its control stream carries inline
+#: (REDSOCK_NSOCKS' and REDSOCK_INLINE_BYTES' defaults).
+NSOCKS, INLINE_BYTES = Config().nsocks, Config().inline_bytes
 
 
 @dataclass(frozen=True)
@@ -194,9 +203,11 @@ def _recursive_doubling(c: Cluster, s: float, p: Profile) -> tuple[float, dict, 
 
 
 def _reducers(c: Cluster, s: float, p: Profile, senders_per_host: int, per_sender: float,
-              contributions: int) -> tuple[float, dict, float, float]:
+              contributions: int, shards: int) -> tuple[float, dict, float, float]:
     """Every sender sends its ``per_sender`` bytes to the reducers once and gets them back once;
-    the reducers share ``contributions`` x S bytes each way.  Returns (latency, terms, nic, drain)."""
+    the reducers share ``contributions`` x S bytes each way.  ``shards``: the senders that split
+    one rank's streams (the hierarchy's L; 1 for flat ranks, each with streams of its own).
+    Returns (latency, terms, nic, drain)."""
     if c.reducers < 1:
         raise ConfigError("the reducer algorithms need --reducers >= 1")
     # Pieces as the workers cut them (server_client.piece_elements); piece i goes to reducer
@@ -217,6 +228,17 @@ def _reducers(c: Cluster, s: float, p: Profile, senders_per_host: int, per_sende
     senders = c.hosts * senders_per_host
     drain = max(senders * piece / _goodput(c.reducer_bps, p),
                 senders_per_host * used * piece / _goodput(c.link_bps, p))
+    # Fill: a host's link carries one piece per stream at once (a piece is one slice; one
+    # small enough to go inline takes the connection's one control stream), so a reducer holds
+    # its first whole piece only after all of them went out; a reducer NIC as busy as the
+    # host's starts that late and never catches up.  A connection's streams: a rank's, split
+    # among the shards, then among the reducers (Config.sharing_link).
+    streams = max(1, max(1, NSOCKS // shards) // c.reducers)
+    pieces_per_pair = math.ceil(math.ceil(per_sender / piece) / used)
+    per_pair = 1 if piece <= INLINE_BYTES else min(streams, WINDOW, pieces_per_pair)
+    at_once = senders_per_host * used * per_pair
+    fill = at_once * piece / _goodput(c.link_bps, p)
+    drain = max(drain, fill + terms["reducer NIC"] - max(terms.values()))
     return 2 * p.reducer_hop_s, terms, nic, drain
 
 
@@ -245,7 +267,7 @@ def predict(algo: str, c: Cluster, nbytes: int, p: Profile) -> Prediction:
         lat, terms, nic, bw = _recursive_doubling(c, s, p)
         return Prediction(algo, nbytes, c.world, lat + bw, lat, terms, nic)
     if algo == "reducers":
-        lat, terms, nic, drain = _reducers(c, s, p, c.ranks_per_host, s, c.world)
+        lat, terms, nic, drain = _reducers(c, s, p, c.ranks_per_host, s, c.world, 1)
         return Prediction(algo, nbytes, c.world, lat + max(terms.values()) + drain, lat, terms, nic, drain)
     if algo in ("hring", "hreducers"):
         L = c.ranks_per_host
@@ -259,7 +281,7 @@ def predict(algo: str, c: Cluster, nbytes: int, p: Profile) -> Prediction:
                 terms["reduce"] /= L
                 t_mid = max(terms.values())
         else:
-            lat, terms, nic, drain = _reducers(c, s, p, L, s / L, c.hosts)
+            lat, terms, nic, drain = _reducers(c, s, p, L, s / L, c.hosts, L)
             t_mid = max(terms.values()) + drain
         if L > 1:
             terms["in-host"] = t_in

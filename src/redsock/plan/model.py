@@ -52,9 +52,8 @@ LABELS = {
 }
 ALGORITHMS = tuple(LABELS)
 REDUCER_ALGORITHMS = ("reducers", "hreducers")
-#: A rank's data streams per link, and the largest message its control stream carries inline
-#: (REDSOCK_NSOCKS' and REDSOCK_INLINE_BYTES' defaults).
-NSOCKS, INLINE_BYTES = Config().nsocks, Config().inline_bytes
+#: The settings a rank runs with by default: its streams per link, its inline threshold.
+_DEFAULTS = Config()
 
 
 @dataclass(frozen=True)
@@ -231,15 +230,21 @@ def _reducers(c: Cluster, s: float, p: Profile, senders_per_host: int, per_sende
     # Fill: a host's link carries one piece per stream at once (a piece is one slice; one
     # small enough to go inline takes the connection's one control stream), so a reducer holds
     # its first whole piece only after all of them went out; a reducer NIC as busy as the
-    # host's starts that late and never catches up.  A connection's streams: a rank's, split
-    # among the shards, then among the reducers (Config.sharing_link).
-    streams = max(1, max(1, NSOCKS // shards) // c.reducers)
+    # host's starts that late and never catches up.
     pieces_per_pair = math.ceil(math.ceil(per_sender / piece) / used)
-    per_pair = 1 if piece <= INLINE_BYTES else min(streams, WINDOW, pieces_per_pair)
+    per_pair = (1 if piece <= _DEFAULTS.inline_bytes
+                else min(_streams_per_reducer(shards, c.reducers), WINDOW, pieces_per_pair))
     at_once = senders_per_host * used * per_pair
     fill = at_once * piece / _goodput(c.link_bps, p)
     drain = max(drain, fill + terms["reducer NIC"] - max(terms.values()))
     return 2 * p.reducer_hop_s, terms, nic, drain
+
+
+@lru_cache(maxsize=1024)
+def _streams_per_reducer(shards: int, reducers: int) -> int:
+    """A connection's data streams: a rank's, split among the host's shards, then among the
+    reducers, as the ranks split them (Config.sharing_link)."""
+    return _DEFAULTS.sharing_link(shards).sharing_link(reducers).nsocks
 
 
 def _in_host_phases(c: Cluster, s: float, p: Profile) -> tuple[float, float]:

@@ -159,9 +159,7 @@ class Link:
     def ctrl_whole(self, rec: wire.CtrlRecord, payload: memoryview) -> None:
         """A message staged whole (a small one usually is): taken at once.  An announce in
         turn (nearly always) is handled where it lies; anything else gets its own buffer."""
-        if rec.tag == wire.ANNOUNCE_TAG and rec.seq == self.announces and not self._announce_early:
-            self.announces += 1
-            self.handler.on_announce(self, payload)
+        if rec.tag == wire.ANNOUNCE_TAG and self._announce_in_turn(rec.seq, payload):
             return
         buf = self._message_buffer(rec.tag, rec.seq, rec.length)
         memoryview(buf).cast("B")[:] = payload
@@ -189,9 +187,7 @@ class Link:
         if tag != wire.ANNOUNCE_TAG:
             self.handler.on_piece(self, tag, buf)  # type: ignore[arg-type]
             return
-        if seq == self.announces and not self._announce_early:  # in turn, as nearly always
-            self.announces += 1
-            self.handler.on_announce(self, memoryview(buf))
+        if self._announce_in_turn(seq, memoryview(buf)):
             return
         if seq < self.announces or seq in self._announce_early or len(self._announce_early) >= self.max_early:
             raise ProtocolError(f"{self.peer} sent announce #{seq} out of turn (expected #{self.announces})")
@@ -200,6 +196,14 @@ class Link:
             ann = self._announce_early.pop(self.announces)
             self.announces += 1
             self.handler.on_announce(self, memoryview(ann))
+
+    def _announce_in_turn(self, seq: int, payload: memoryview) -> bool:
+        """Hand announce #``seq`` to the handler if it is the next one, as nearly always."""
+        if seq != self.announces or self._announce_early:
+            return False
+        self.announces += 1
+        self.handler.on_announce(self, payload)
+        return True
 
     def _message_buffer(self, tag: int, seq: int, nbytes: int) -> np.ndarray | bytearray:
         """Where a message of ``nbytes`` goes: a small bytearray for an announce, else a pooled

@@ -282,9 +282,10 @@ def dies_auto(comm, rank, world):
 
 
 def shm_mismatch(comm, rank, world):
-    x = np.ones(1000 if rank != 1 else 1001, np.float32)
+    differs = os.environ["TEST_DIFFERS"] if rank == 1 else ""
+    x = np.ones(1001 if differs == "size" else 1000, np.float64 if differs == "dtype" else np.float32)
     try:
-        comm.all_reduce(x)
+        comm.all_reduce(x, "max" if differs == "op" else "sum")
     except RedsockError as e:
         print(f"raised {type(e).__name__}: {e}", flush=True)
         return

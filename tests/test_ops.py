@@ -619,8 +619,9 @@ def test_copy_of_strided_or_converting_arrays_is_an_assignment() -> None:
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("name", ALL)
 def test_reduce_rows_has_the_bits_of_reduce_arrays(name: str, op: ReduceOp, nrows: int, count: int) -> None:
-    """A 2-D array of rows, a list of rows, and a list with a scratch accumulator all give
-    reduce_arrays' bits (the collectives use whichever fits their buffers)."""
+    """A 2-D array of rows, a list of rows, a list with a scratch accumulator, and a
+    prepared row_reducer all give reduce_arrays' bits (the collectives use whichever fits
+    their buffers)."""
     d = dt(name)
     rng = np.random.default_rng(nrows * 31 + count)
     if name in FLOATS:
@@ -641,3 +642,15 @@ def test_reduce_rows_has_the_bits_of_reduce_arrays(name: str, op: ReduceOp, nrow
         assert out.tobytes() == want, (type(given_rows), kwargs)
     needs_acc = ops.accum_dtype(d) != d or op is ReduceOp.AVG
     assert scratched == ([count] if needs_acc else [])
+    out = np.full(count, 3, d)
+    assert ops.row_reducer(d, op, nrows)(tuple(rows), out) is out
+    assert out.tobytes() == want
+
+
+def test_row_reducer_refuses_what_reduce_rows_refuses() -> None:
+    with pytest.raises(ConfigError, match="dtype"):
+        ops.row_reducer(np.dtype(np.int16), "sum", 2)
+    with pytest.raises(ConfigError, match="op"):
+        ops.row_reducer(np.dtype(np.float32), "xor", 2)
+    with pytest.raises(ConfigError, match="positive"):
+        ops.row_reducer(np.dtype(np.float32), "sum", 0)

@@ -56,8 +56,10 @@ def test_shm_off_passes_everything_over_fast_socket():
     _check_world(outs, 3)
 
 
-def test_mismatched_calls_on_one_host_raise_clearly():
-    outs = run_world("shm_mismatch", 3, timeout=60)
+@pytest.mark.parametrize("differs", ["size", "op", "dtype"])
+def test_mismatched_calls_on_one_host_raise_clearly(differs):
+    """Rank 1 calls a small all-reduce of another size, op or dtype: every rank raises."""
+    outs = run_world("shm_mismatch", 3, timeout=60, env={"TEST_DIFFERS": differs})
     for code, out, err in outs:
         assert code == 0, err[-2000:]
         assert "different dtype, size or op" in out, out

@@ -33,6 +33,7 @@ Wire codes (one byte each) are part of the wire format: never renumber them.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ from .errors import ConfigError, ProtocolError
 __all__ = [
     "SUPPORTED_DTYPES", "ReduceOp", "accum_dtype", "accumulate", "bfloat16", "check_dtype", "combine", "copy",
     "dtype_code", "dtype_from_code", "dtype_from_name", "finalize", "init_acc", "reduce_arrays", "reduce_rows",
+    "row_reducer",
 ]
 
 bfloat16: np.dtype = np.dtype(ml_dtypes.bfloat16)
@@ -134,6 +136,10 @@ class ReduceOp(enum.Enum):
     MAX = 4
     PROD = 5
 
+    # Members are singletons: the identity hash (in C) instead of Enum's, a Python call on
+    # every dict lookup keyed by an op (a small collective makes a few).
+    __hash__ = object.__hash__
+
     @property
     def code(self) -> int:
         return self.value
@@ -155,6 +161,9 @@ class ReduceOp(enum.Enum):
         """
         if isinstance(op, cls):
             return op
+        found = _OP_OF_NAME.get(op) if isinstance(op, str) else None  # ("sum": no strip, no lower)
+        if found is not None:
+            return found
         name = op if isinstance(op, str) else getattr(op, "name", None)
         if isinstance(name, str):
             found = _OP_OF_NAME.get(name.strip().lower())
@@ -391,6 +400,41 @@ def reduce_rows(rows: np.ndarray | Sequence[np.ndarray], op: ReduceOp | str, n: 
     if not direct:
         acc = None if scratch is None else scratch(out.size, wide).reshape(out.shape)
         return finalize(accumulate(rows, op, acc), op, n, out)
+    return _combine_into(ufunc, rows, out)
+
+
+def row_reducer(dtype: np.dtype, op: ReduceOp, n: int) -> Callable[[Sequence[np.ndarray], np.ndarray], np.ndarray]:
+    """:func:`reduce_rows` for small rows of ``dtype`` (``n`` contributions in all), with its
+    checks and lookups done once: ``reducer(rows, out)`` writes the result into ``out`` and
+    returns it, the same bits as ``reduce_rows(rows, op, n, out)``.  A call that moves a few
+    bytes repeats a few shapes, and its every line counts (each runs cache-cold after the
+    process switch of an oversubscribed host).  Rows are combined in order, one ufunc call
+    per row; 16-bit floats through a float32 accumulator."""
+    return _row_reducer(check_dtype(dtype), ReduceOp.parse(op), int(n))
+
+
+@functools.lru_cache(maxsize=None)
+def _row_reducer(dtype: np.dtype, op: ReduceOp, n: int) -> Callable[[Sequence[np.ndarray], np.ndarray], np.ndarray]:
+    if n < 1:
+        raise ConfigError(f"row_reducer: n must be a positive integer, got {n!r}")
+    ufunc, wide = _UFUNC[op], _ACCUM[dtype]
+    if wide != dtype:  # widen, combine, round once
+        def reduce(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+            acc = rows[0].astype(wide)
+            for x in rows[1:]:
+                ufunc(acc, x, out=acc)
+            return finalize(acc, op, n, out)
+    elif op is ReduceOp.AVG:  # the sum in out, divided there
+        def reduce(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+            _combine_into(ufunc, rows, out)
+            return finalize(out, op, n, out)
+    else:
+        def reduce(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+            return _combine_into(ufunc, rows, out)
+    return reduce
+
+
+def _combine_into(ufunc: np.ufunc, rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
     if len(rows) == 1:
         copy(out, rows[0])
         return out

@@ -8,7 +8,6 @@ import logging
 import random
 import re
 import threading
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -21,7 +20,7 @@ from ..config import Config, KiB
 from ..errors import ConfigError, PeerFailure, RedsockError, TransportError
 from ..transport import Connection, irecv_any, shm
 from . import ring, server_client, small
-from .context import CallContext, Finish, ScratchPool, timeout_for_call
+from .context import CallContext, Finish, ScratchPool, signature_check, timeout_for_call
 from .hierarchy import Hierarchy
 from .server_client import ServerGroup
 
@@ -290,7 +289,7 @@ class Communicator:
         seq, ticket = self._number_call(shared)
         if shared:
             body = functools.partial(self.hier.in_turn, ticket, body)
-        check = _signature_check(name, signature)
+        check = signature_check(name, signature)
         ctx = CallContext(self.peers, self.rank, self.world_size, _COLLECTIVE_TAG | seq, check,
                           timeout_for_call(self.config.timeout_s), self._pool, seq, self.servers)
 
@@ -356,9 +355,8 @@ class Communicator:
         """A small synchronous all-reduce on one host: :meth:`Hierarchy.all_reduce_here`,
         with none of :meth:`_run`'s call context (it says why)."""
         seq, ticket = self._number_call(shared=True)
-        check = _signature_check("all_reduce", (x.dtype, x.size, rop, "hier"))
         try:
-            self.hier.all_reduce_here(ticket, x, rop, seq, check, timeout_for_call(self.config.timeout_s))
+            self.hier.all_reduce_here(ticket, x, rop, seq, timeout_for_call(self.config.timeout_s))
         except RedsockError as e:
             raise self._failed("all_reduce", seq, e) from e
 
@@ -401,12 +399,6 @@ class Communicator:
     def _check_rank(self, r: int, what: str) -> None:
         if not isinstance(r, (int, np.integer)) or not 0 <= r < self.world_size:
             raise ConfigError(f"{what} {r!r} is not a rank of a world of {self.world_size}")
-
-
-@functools.lru_cache(maxsize=4096)
-def _signature_check(name: str, signature: tuple) -> int:
-    """16 bits every message of a call carries; ranks that disagree on the call differ here."""
-    return zlib.crc32(repr((name, *[str(s) for s in signature])).encode()) & 0xFFFF
 
 
 def _chain(source: Future, target: Future, only_failures: bool = False) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from ..bootstrap import PeerTable
 from ..config import Config, KiB, MiB
 from ..errors import PeerFailure, Timeout
 from ..transport.shm import LocalGroup
-from .context import CallContext, chunks, flat, partition, ramped_chunks
+from .context import CallContext, chunks, flat, partition, ramped_chunks, signature_check
 
 #: Bytes of each half of a rank's region: the largest piece a collective moves at once, the
 #: size of the pieces whose shards cross hosts (measured: README "Several ranks per host").
@@ -68,6 +68,17 @@ SPIN_MAX_US = 50
 SPIN_SMALL_US = 2000
 
 
+#: How many call shapes all_reduce_here keeps prepared (a training loop's few).
+_WHOLE_KEPT = 64
+
+
+class _Whole(NamedTuple):
+    """A small single-host all-reduce of one (dtype, count, op), prepared once."""
+    rows: tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]  # each half's rows, one per local rank
+    check: int  # the call's signature check
+    reduce: Callable[[tuple[np.ndarray, ...], np.ndarray], np.ndarray]
+
+
 class Hierarchy:
     """The host-level view of a communicator: its local group and its inter-host groups.
 
@@ -92,6 +103,7 @@ class Hierarchy:
         except BaseException:
             self.local.close()
             raise
+        self._whole: dict[tuple[np.dtype, int, ops.ReduceOp], _Whole] = {}  # all_reduce_here's, by call shape
         self._tickets = itertools.count()
         self._next = 0
         self._turn = threading.Condition()
@@ -154,38 +166,50 @@ class Hierarchy:
         """Whether a synchronous all-reduce of ``nbytes`` can be :meth:`all_reduce_here`."""
         return self.nhosts == 1 and nbytes <= WHOLE_MAX_BYTES
 
-    def all_reduce_here(self, ticket: int, x: np.ndarray, op: ops.ReduceOp, seq: int, check: int,
-                        timeout_s: float) -> None:
+    def all_reduce_here(self, ticket: int, x: np.ndarray, op: ops.ReduceOp, seq: int, timeout_s: float) -> None:
         """A small all-reduce on one host in the caller's thread, without a call context
-        (``seq`` and ``check``: the call's number and signature check).  4 ranks on 2 cores
-        switch process once per rank and call, and every line after a switch runs cold: the
-        fewer the lines, the shorter the call (4 ranks started as torchrun does, 8 B, 2000
-        calls back to back, 4 rounds: 102-117 us per call through the general path, 83-89 us
-        this way)."""
+        (``seq``: the call's number), prepared once per call shape (:class:`_Whole`).  4 ranks
+        on 2 cores switch process once per rank and call, and every line after a switch runs
+        cold: a line costs several times what it does in a loop (4 ranks, 8 B, 3000 calls,
+        3 alternating rounds: 127-154 us median per-call maximum with the rows looked up, the
+        signature hashed and the reduction dispatched on every call, 79-96 us prepared)."""
         self._await_turn(ticket)
         try:
-            xf = x.reshape(-1)
-            ops.reduce_rows(self._gather_whole(xf, call_signature(seq, check), timeout_s), op, self.world, xf)
+            whole = self._whole.get((x.dtype, x.size, op)) or self._prepare_whole(x.dtype, x.size, op)
+            self._reduce_whole_here(whole, x, call_signature(seq, whole.check), timeout_s)
         finally:
             self._end_turn(ticket)
 
-    def _gather_whole(self, xf: np.ndarray, signature: int, timeout_s: float) -> np.ndarray:
-        """Every local rank's ``xf``, as the rows of one array in the arena (after one sync)."""
+    def _prepare_whole(self, dtype: np.dtype, count: int, op: ops.ReduceOp) -> _Whole:
+        if len(self._whole) >= _WHOLE_KEPT:
+            self._whole.clear()
         g = self.local
-        views = g.rows(g.next_half(), xf.dtype, xf.size)
-        ops.copy(views[g.me], xf)
+        whole = self._whole[(dtype, count, op)] = _Whole(
+            tuple(tuple(g.rows(half, dtype, count)) for half in (0, 1)),
+            signature_check("all_reduce", (dtype, count, op, "hier")), ops.row_reducer(dtype, op, self.world))
+        return whole
+
+    def _reduce_whole_here(self, whole: _Whole, x: np.ndarray, signature: int, timeout_s: float) -> None:
+        """One host, a small buffer: every rank copies it in, and reduces all of them alike."""
+        g = self.local
+        rows = whole.rows[g.next_half()]
+        xf = x if x.ndim == 1 else x.reshape(-1)
+        ops.copy(rows[g.me], xf)
         g.sync(signature, SPIN_SMALL_US, timeout_s)
-        return views
+        whole.reduce(rows, xf)
 
     def _all_reduce_whole(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
         """A small buffer in one piece: on one host every rank reduces all of it (one sync);
         across hosts local rank 0 reduces it, all-reduces it with the other hosts' rank 0
         from this thread, and the others copy the result."""
+        signature = call_signature(ctx.seq, ctx.check)
+        if self.nhosts == 1:
+            whole = self._whole.get((x.dtype, x.size, op)) or self._prepare_whole(x.dtype, x.size, op)
+            return self._reduce_whole_here(whole, x, signature, ctx.timeout_s)
         g, xf = self.local, flat(x)
-        views = self._gather_whole(xf, call_signature(ctx.seq, ctx.check), ctx.timeout_s)
-        if self.nhosts == 1:  # every rank reduces everything, in the same order
-            ops.reduce_rows(views, op, self.world, xf)
-            return
+        views = g.rows(g.next_half(), xf.dtype, xf.size)
+        ops.copy(views[g.me], xf)
+        g.sync(signature, SPIN_SMALL_US, ctx.timeout_s)
         if g.me == 0:
             acc = ops.accumulate(views, op, ctx.scratch(xf.size, ops.accum_dtype(x.dtype)))
             self._inter_all_reduce(acc, op, async_op=False)

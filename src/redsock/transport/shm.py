@@ -207,8 +207,7 @@ class LocalGroup:
         if min(self._steps) < self.step:
             self._wait(self.step, self.spin_s if spin_us is None else spin_us / 1e6, timeout_s or self.timeout_s)
         if signature is not None:
-            signatures = self._signatures[sig_word - 1]
-            if min(signatures) != max(signatures):
+            if self._signatures[sig_word - 1].tolist().count(signature) != self.size:
                 raise ProtocolError(f"rank {self.ranks[self.me]}: the ranks of this host called different "
                                     "collectives (the ranks called different collectives, or with different "
                                     "dtype, size or op)", peer="local ranks", op="shared-memory collective")

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -167,6 +168,48 @@ def test_single_rank_group_in_process_and_clear_errors():
         # torch's timeout becomes redsock's
         assert pg.comm.config.timeout_s == 30 and sub.comm.config.timeout_s == 12
         assert sub.comm is not pg.comm and sub.group_name != pg.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_collective_c10d_waits_for_runs_in_the_callers_thread():
+    """``async_op=False`` (c10d says so in ``opts.asyncOp``): the communicator is called
+    synchronously from the caller's thread, and its failure is the Work's, raised by
+    dist.all_reduce; async calls (and DDP's, whose options keep the default) still go to
+    the communicator's thread."""
+    import redsock.torch  # noqa: F401
+    from redsock.errors import PeerFailure
+
+    dist.init_process_group("redsock", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+    try:
+        comm = dist.group.WORLD.comm
+        calls = []
+        real = comm.all_reduce
+
+        def spy(array, op="sum", algorithm=None, async_op=False):
+            calls.append((threading.get_ident(), async_op))
+            return real(array, op, algorithm, async_op)
+
+        comm.all_reduce = spy
+        x = torch.arange(4, dtype=torch.float32)
+        dist.all_reduce(x)
+        dist.reduce(x, dst=0)
+        assert calls == [(threading.get_ident(), False)] * 2
+        assert comm._executor is None  # the communicator's thread never started
+        calls.clear()
+        dist.all_reduce(x, async_op=True).wait()
+        assert calls == [(threading.get_ident(), True)] and comm._executor is not None
+        opts = dist.AllreduceOptions()
+        assert opts.asyncOp is True  # what a caller that does not say (DDP's reducer) gets
+        assert torch.equal(x, torch.arange(4, dtype=torch.float32))
+
+        def fails(array, op="sum", algorithm=None, async_op=False):
+            raise PeerFailure("rank 1 died", ranks=(1,))
+
+        comm.all_reduce = fails
+        with pytest.raises(PeerFailure, match="rank 1 died"):
+            dist.all_reduce(x)
+        del comm.all_reduce
     finally:
         dist.destroy_process_group()
 

@@ -12,7 +12,9 @@ How operations run:
   them in that order on its own thread, so every rank runs them in the same
   order and the caller only waits for what it must (staging CUDA tensors); an
   all-reduce through reduction servers finishes on a second thread, so the next
-  call (DDP's next bucket) starts while its results come back.
+  call (DDP's next bucket) starts while its results come back.  A collective that
+  c10d waits for at once (``async_op=False``, which it passes in ``opts.asyncOp``)
+  runs in the caller's thread instead, numbered in the same sequence.
 * Point-to-point operations (send/recv, and alltoall, gather and scatter, which
   are built from them) run on *lanes*: one thread per (direction, peer, tag).
   Messages with the same tag are matched in order, and each lane keeps that
@@ -258,19 +260,27 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         return RedsockWork(what, cuda_devices(tensors), tensors if inputs is None else inputs)
 
     def _collective(self, what: str, tensors: Sequence[torch.Tensor], staged: Sequence[Staged],
-                    submit: Callable[[], list[Any]], finish: Callable[[], Any], keep: Any = None,
-                    inputs: Sequence[torch.Tensor] | None = None) -> RedsockWork:
-        """Run ``submit()`` (communicator calls with async_op=True, returning their Works)
-        and complete a Work with ``finish()`` when they are all done."""
+                    submit: Callable[[bool], list[Any]], finish: Callable[[], Any], opts: Any,
+                    keep: Any = None, inputs: Sequence[torch.Tensor] | None = None) -> RedsockWork:
+        """Run ``submit(async_op)`` (communicator calls, returning their Works when async) and
+        complete a Work with ``finish()`` when they are all done.
+
+        A call that c10d waits for at once (``async_op=False``: ``opts.asyncOp`` says so) runs
+        in the caller's thread, as the communicator's synchronous calls do: no hop to its
+        thread and back, which costs a small call more than the call itself.  Every other
+        call (DDP's buckets, ``async_op=True``, options made without it) starts on the
+        communicator's thread and overlaps what the caller does next."""
         work = self._new_work(what, tensors, inputs)
         sync_devices(s.tensor for s in staged)  # device-to-host staging copies must have landed
-        parts = [w.get_future() for w in submit()]
 
         def done() -> Any:
             for s in staged:
                 s.finish()
             return finish()
 
+        if getattr(opts, "asyncOp", True) is False:
+            return self._tracker.complete_here(work, lambda: (submit(False), done())[1])
+        parts = [w.get_future() for w in submit(True)]
         return self._tracker.complete_when_done(work, parts, done, keep=(staged, keep))
 
     def _p2p(self, what: str, tensors: Sequence[torch.Tensor], staged: Sequence[Staged],
@@ -309,9 +319,10 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         if any(t.layout == torch.sparse_coo for t in tensors):
             return self._allreduce_sparse(tensors, op)
         staged = [Staged(t, read=True, write=True, what="allreduce") for t in tensors]
-        return self._collective("all_reduce", tensors, staged,
-                                lambda: [self.comm.all_reduce(s.array, op, async_op=True) for s in staged],
-                                lambda: tensors)
+        return self._collective(
+            "all_reduce", tensors, staged,
+            lambda async_op: [self.comm.all_reduce(s.array, op, async_op=async_op) for s in staged],
+            lambda: tensors, opts)
 
     def _allreduce_sparse(self, tensors: list[torch.Tensor], op: str) -> RedsockWork:
         """The sum of sparse COO tensors (as gloo): every rank's indices and values are gathered,
@@ -355,9 +366,10 @@ class ProcessGroupRedsock(dist.ProcessGroup):
             raise ConfigError(f"redsock broadcast: root {root} is not a rank of a group of {self._world}")
         is_root = root == self._me
         staged = [Staged(t, read=is_root, write=not is_root, what="broadcast") for t in tensors]
-        return self._collective("broadcast", tensors, staged,
-                                lambda: [self.comm.broadcast(s.array, root, async_op=True) for s in staged],
-                                lambda: tensors)
+        return self._collective(
+            "broadcast", tensors, staged,
+            lambda async_op: [self.comm.broadcast(s.array, root, async_op=async_op) for s in staged],
+            lambda: tensors, opts)
 
     # -- all-gather ------------------------------------------------------------------------
 
@@ -389,8 +401,9 @@ class ProcessGroupRedsock(dist.ProcessGroup):
 
         return self._collective(
             "all_gather", [*inputs, *flat_outs], srcs,
-            lambda: [self.comm.all_gather(s.array, as_numpy(tmp), async_op=True) for s, tmp in zip(srcs, temps)],
-            finish, keep=temps, inputs=inputs)
+            lambda async_op: [self.comm.all_gather(s.array, as_numpy(tmp), async_op=async_op)
+                              for s, tmp in zip(srcs, temps)],
+            finish, opts, keep=temps, inputs=inputs)
 
     @_options_timeout
     def allgather_coalesced(self, output_lists: Any, input_tensors: Any, opts: Any = None) -> RedsockWork:
@@ -406,23 +419,24 @@ class ProcessGroupRedsock(dist.ProcessGroup):
     @_options_timeout
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RedsockWork:
         """``output`` (world × input's elements) = every rank's ``input``, in rank order."""
-        return self._gather_into_tensors([output], [input], "all_gather_into_tensor")
+        return self._gather_into_tensors([output], [input], opts, "all_gather_into_tensor")
 
     _allgather_base = all_gather_single
 
     @_options_timeout
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> RedsockWork:
-        return self._gather_into_tensors(_as_list(outputs), _as_list(inputs), "all_gather_into_tensor_coalesced")
+        return self._gather_into_tensors(_as_list(outputs), _as_list(inputs), opts,
+                                         "all_gather_into_tensor_coalesced")
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def _gather_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+    def _gather_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any,
                              what: str) -> RedsockWork:
-        return self._paired(outputs, inputs, what, output_is_whole=True,
-                            start=lambda i, o: self.comm.all_gather(i, o, async_op=True))
+        return self._paired(outputs, inputs, opts, what, output_is_whole=True,
+                            start=lambda i, o, async_op: self.comm.all_gather(i, o, async_op=async_op))
 
-    def _paired(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], what: str, *,
-                output_is_whole: bool, start: Callable[[Any, Any], Any]) -> RedsockWork:
+    def _paired(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any, what: str, *,
+                output_is_whole: bool, start: Callable[[Any, Any, bool], Any]) -> RedsockWork:
         """Tensor-pair collectives where one side of each pair holds world × the other's elements
         (all-gather: the output; reduce-scatter: the input)."""
         if len(outputs) != len(inputs):
@@ -441,8 +455,8 @@ class ProcessGroupRedsock(dist.ProcessGroup):
             staged_out.append(Staged(out, read=False, write=True, what=what))
         return self._collective(
             what, [*outputs, *inputs], [*staged_in, *staged_out],
-            lambda: [start(i.array, o.array) for i, o in zip(staged_in, staged_out)],
-            lambda: outputs, inputs=inputs)
+            lambda async_op: [start(i.array, o.array, async_op) for i, o in zip(staged_in, staged_out)],
+            lambda: outputs, opts, inputs=inputs)
 
     # -- reduce-scatter --------------------------------------------------------------------
 
@@ -472,9 +486,9 @@ class ProcessGroupRedsock(dist.ProcessGroup):
             staged_out.append(Staged(out, read=False, write=True, what="reduce_scatter"))
         return self._collective(
             "reduce_scatter", [*outputs, *(t for ins in input_lists for t in ins)], [*staged_in, *staged_out],
-            lambda: [self.comm.reduce_scatter(i.array, o.array, op, async_op=True)
-                     for i, o in zip(staged_in, staged_out)],
-            lambda: outputs)
+            lambda async_op: [self.comm.reduce_scatter(i.array, o.array, op, async_op=async_op)
+                              for i, o in zip(staged_in, staged_out)],
+            lambda: outputs, opts)
 
     @_options_timeout
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> RedsockWork:
@@ -493,8 +507,8 @@ class ProcessGroupRedsock(dist.ProcessGroup):
     def _scatter_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any,
                               what: str) -> RedsockWork:
         op = _reduce_op(opts.reduceOp if opts is not None else _RedOp.SUM, what)
-        return self._paired(outputs, inputs, what, output_is_whole=False,
-                            start=lambda i, o: self.comm.reduce_scatter(i, o, op, async_op=True))
+        return self._paired(outputs, inputs, opts, what, output_is_whole=False,
+                            start=lambda i, o, async_op: self.comm.reduce_scatter(i, o, op, async_op=async_op))
 
     # -- reduce (built on all-reduce) ----------------------------------------------------------
 
@@ -512,9 +526,10 @@ class ProcessGroupRedsock(dist.ProcessGroup):
             for t in tensors:
                 check_tensor(t, "reduce")
             staged = [Staged(t.detach().clone(), read=True, write=False, what="reduce") for t in tensors]
-        return self._collective("reduce", tensors, staged,
-                                lambda: [self.comm.all_reduce(s.array, op, async_op=True) for s in staged],
-                                lambda: tensors)
+        return self._collective(
+            "reduce", tensors, staged,
+            lambda async_op: [self.comm.all_reduce(s.array, op, async_op=async_op) for s in staged],
+            lambda: tensors, opts)
 
     # -- barrier ---------------------------------------------------------------------------
 

@@ -53,8 +53,12 @@ class RedsockWork(dist.Work):
         self._caller = threading.get_ident()
         # A future that holds CUDA tensors must name their devices (torch checks on completion).
         self._private = torch.futures.Future(devices=list(devices)) if devices else torch.futures.Future()
-        self._future = self._private.then(_unwrap)
-        self._done = threading.Event()
+        self._future: torch.futures.Future | None = None  # made by get_future(): most Works are only waited on
+        # Held until the operation completes: a released lock is the cheapest latch (an
+        # Event builds a Condition, several microseconds of a small call's budget).
+        self._latch = threading.Lock()
+        self._latch.acquire()
+        self._completed = False
         self._error: BaseException | None = None
         self._keep: Any = None  # buffers that must outlive the operation (staged copies, temporaries)
         self.senders: list[int] = []  # a receive's source rank, known once it completes
@@ -65,19 +69,24 @@ class RedsockWork(dist.Work):
         """Block until the operation is done; raise its error if it failed.  ``timeout``
         (a timedelta or seconds; 0/None: no limit) raises :class:`~redsock.errors.Timeout`."""
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        if not self._done.wait(seconds or None):
-            raise Timeout(f"redsock {self.what} not complete after {seconds:g}s", op=self.what)
+        if not self._completed:
+            if not self._latch.acquire(timeout=seconds or -1):
+                raise Timeout(f"redsock {self.what} not complete after {seconds:g}s", op=self.what)
+            self._latch.release()  # (for every other waiter)
         if self._error is not None:
             raise self._error
         return True
 
     def get_future(self) -> torch.futures.Future:
-        return self._future
+        future = self._future
+        if future is None:  # (two threads racing here get two futures, both settled alike)
+            future = self._future = self._private.then(_unwrap)
+        return future
 
     def result(self) -> list[torch.Tensor]:
         """The output tensors (after :meth:`wait`)."""
         self.wait()
-        value = self._future.value()
+        value = self.get_future().value()
         return list(value) if isinstance(value, (list, tuple)) else [value]
 
     def source_rank(self) -> int:
@@ -90,10 +99,10 @@ class RedsockWork(dist.Work):
     _source_rank = source_rank
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._completed
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self._completed and self._error is None
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -108,14 +117,16 @@ class RedsockWork(dist.Work):
         self._end_record()
         self._keep = None
         self._private.set_result(value)
-        self._done.set()
+        self._completed = True
+        self._latch.release()
 
     def _set_error(self, error: BaseException) -> None:
         self._end_record()
         self._keep = None
         self._error = error
         self._private.set_result(_Failed(error))
-        self._done.set()
+        self._completed = True
+        self._latch.release()
 
     def _end_record(self) -> None:
         record, self._record = self._record, None
@@ -184,6 +195,21 @@ class Tracker:
             f.add_done_callback(part_done)
         return work
 
+    def complete_here(self, work: RedsockWork, run: Callable[[], Any]) -> RedsockWork:
+        """Complete ``work`` with ``run()`` (the operation and its copy-backs; returns the
+        future's value) in this thread, or with its error."""
+        if self._coalescing is not None:
+            with self._lock:
+                if self._coalescing is not None:
+                    self._coalescing.append(work)
+        try:
+            value = run()
+        except Exception as e:  # the Work carries it (wait() raises it), as when run elsewhere
+            work._set_error(e)
+        else:
+            work._set_result(value)
+        return work
+
     def pending(self) -> list[RedsockWork]:
         with self._lock:
             return list(self._inflight.values())
@@ -201,6 +227,6 @@ class Tracker:
 def done_future(work: RedsockWork) -> Future:
     """A concurrent Future that completes (or fails) with ``work``."""
     f: Future = Future()
-    work._future.add_done_callback(lambda _: f.set_exception(work._error) if work._error is not None
+    work.get_future().add_done_callback(lambda _: f.set_exception(work._error) if work._error is not None
                                    else f.set_result(None))
     return f

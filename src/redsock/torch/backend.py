@@ -278,8 +278,12 @@ class ProcessGroupRedsock(dist.ProcessGroup):
                 s.finish()
             return finish()
 
+        def run_here() -> Any:
+            submit(False)
+            return done()
+
         if getattr(opts, "asyncOp", True) is False:
-            return self._tracker.complete_here(work, lambda: (submit(False), done())[1])
+            return self._tracker.complete_here(work, run_here)
         parts = [w.get_future() for w in submit(True)]
         return self._tracker.complete_when_done(work, parts, done, keep=(staged, keep))
 

@@ -135,8 +135,9 @@ class RedsockWork(dist.Work):
         if threading.get_ident() != self._caller:
             torch.autograd._record_function_with_args_exit(record)
             return
-        # Done before the caller had tracked it, so completed on the caller's thread: end the
-        # event from another thread, as every other operation's (profiling only, and rare).
+        # Completed on the caller's thread (run there, or done before the caller had tracked
+        # it): end the event from another thread, as every other operation's, so the profiler
+        # shows the same async event for each (profiling only).
         ender = threading.Thread(target=torch.autograd._record_function_with_args_exit, args=(record,))
         ender.start()
         ender.join()
@@ -228,5 +229,5 @@ def done_future(work: RedsockWork) -> Future:
     """A concurrent Future that completes (or fails) with ``work``."""
     f: Future = Future()
     work.get_future().add_done_callback(lambda _: f.set_exception(work._error) if work._error is not None
-                                   else f.set_result(None))
+                                        else f.set_result(None))
     return f

@@ -320,7 +320,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
     def allreduce(self, tensors: Any, opts: Any = None) -> RedsockWork:
         tensors = _as_list(tensors)
         op = _reduce_op(opts.reduceOp if opts is not None else _RedOp.SUM, "allreduce")
-        if any(t.layout == torch.sparse_coo for t in tensors):
+        if any(t.is_sparse for t in tensors):  # (sparse COO: the layout, read cheaply)
             return self._allreduce_sparse(tensors, op)
         staged = [Staged(t, read=True, write=True, what="allreduce") for t in tensors]
         return self._collective(

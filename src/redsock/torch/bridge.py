@@ -47,7 +47,7 @@ def check_tensor(t: object, what: str) -> torch.Tensor:
         raise ConfigError(f"redsock {what}: {t.layout} tensors are not supported (only dense tensors)")
     if t.dtype not in _NUMPY_DTYPE:
         raise ConfigError(f"redsock {what}: dtype {t.dtype} is not supported (supported: {_SUPPORTED_NAMES})")
-    if t.device.type not in ("cpu", "cuda"):
+    if not (t.is_cpu or t.is_cuda):
         raise ConfigError(f"redsock {what}: tensors on {t.device} are not supported (cpu or cuda only)")
     return t
 

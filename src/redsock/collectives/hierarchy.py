@@ -175,18 +175,22 @@ class Hierarchy:
         signature hashed and the reduction dispatched on every call, 79-96 us prepared)."""
         self._await_turn(ticket)
         try:
-            whole = self._whole.get((x.dtype, x.size, op)) or self._prepare_whole(x.dtype, x.size, op)
+            whole = self._prepared(x, op)
             self._reduce_whole_here(whole, x, call_signature(seq, whole.check), timeout_s)
         finally:
             self._end_turn(ticket)
 
-    def _prepare_whole(self, dtype: np.dtype, count: int, op: ops.ReduceOp) -> _Whole:
-        if len(self._whole) >= _WHOLE_KEPT:
-            self._whole.clear()
-        g = self.local
-        whole = self._whole[(dtype, count, op)] = _Whole(
-            tuple(tuple(g.rows(half, dtype, count)) for half in (0, 1)),
-            signature_check("all_reduce", (dtype, count, op, "hier")), ops.row_reducer(dtype, op, self.world))
+    def _prepared(self, x: np.ndarray, op: ops.ReduceOp) -> _Whole:
+        """The small all-reduce of ``x``'s shape with ``op``, prepared on its first call."""
+        key = (x.dtype, x.size, op)
+        whole = self._whole.get(key)
+        if whole is None:
+            if len(self._whole) >= _WHOLE_KEPT:
+                self._whole.clear()
+            g = self.local
+            whole = self._whole[key] = _Whole(
+                tuple(tuple(g.rows(half, x.dtype, x.size)) for half in (0, 1)),
+                signature_check("all_reduce", key + ("hier",)), ops.row_reducer(x.dtype, op, self.world))
         return whole
 
     def _reduce_whole_here(self, whole: _Whole, x: np.ndarray, signature: int, timeout_s: float) -> None:
@@ -204,8 +208,7 @@ class Hierarchy:
         from this thread, and the others copy the result."""
         signature = call_signature(ctx.seq, ctx.check)
         if self.nhosts == 1:
-            whole = self._whole.get((x.dtype, x.size, op)) or self._prepare_whole(x.dtype, x.size, op)
-            return self._reduce_whole_here(whole, x, signature, ctx.timeout_s)
+            return self._reduce_whole_here(self._prepared(x, op), x, signature, ctx.timeout_s)
         g, xf = self.local, flat(x)
         views = g.rows(g.next_half(), xf.dtype, xf.size)
         ops.copy(views[g.me], xf)

@@ -156,6 +156,8 @@ class Tracker:
                            keep: Any = None) -> RedsockWork:
         """Complete ``work`` with ``finish()`` (copy-backs; returns the future's value) once
         every future in ``parts`` is done, or with the first error among them."""
+        if not parts:
+            return self.complete_here(work, finish)
         work._keep = keep
         with self._lock:
             self._inflight[id(work)] = work
@@ -190,22 +192,21 @@ class Tracker:
             if last:
                 settle()
 
-        if not parts:
-            settle()
         for f in parts:
             f.add_done_callback(part_done)
         return work
 
     def complete_here(self, work: RedsockWork, run: Callable[[], Any]) -> RedsockWork:
         """Complete ``work`` with ``run()`` (the operation and its copy-backs; returns the
-        future's value) in this thread, or with its error."""
+        future's value) in this thread, or with its error: what :meth:`complete_when_done`
+        does once nothing is left to wait for."""
         if self._coalescing is not None:
             with self._lock:
                 if self._coalescing is not None:
                     self._coalescing.append(work)
         try:
             value = run()
-        except Exception as e:  # the Work carries it (wait() raises it), as when run elsewhere
+        except BaseException as e:  # the Work carries it (wait() raises it), as when run elsewhere
             work._set_error(e)
         else:
             work._set_result(value)

@@ -70,18 +70,19 @@ def ok(outs):
 
 @pytest.mark.parametrize("nbytes, itemsize, nservers, piece_bytes, want_bytes", [
     (64 << 20, 4, 4, 256 << 10, 256 << 10),  # large: capped by REDSOCK_PIECE_BYTES
-    (1 << 20, 4, 4, 256 << 10, 64 << 10),    # 1 MiB over 4 reducers: 4 pieces each
-    (2 << 20, 2, 2, 256 << 10, 256 << 10),   # exactly 4 pieces of the cap each
-    (64 << 10, 4, 4, 256 << 10, 16 << 10),   # small: never below 16 KiB
-    (64 << 10, 8, 4, 4 << 10, 4 << 10),      # a cap below 16 KiB is still obeyed
-    (24, 8, 3, 256 << 10, 16 << 10),         # fewer elements than one piece: one piece
+    (4 << 20, 4, 4, 256 << 10, 64 << 10),    # 4 MiB over 4 reducers: 16 pieces each
+    (4 << 20, 4, 2, 256 << 10, 128 << 10),   # over 2 reducers: 16 pieces each
+    (8 << 20, 2, 2, 256 << 10, 256 << 10),   # exactly 16 pieces of the cap each
+    (1 << 20, 4, 4, 256 << 10, 64 << 10),    # 1 MiB over 4 reducers: never below 64 KiB
+    (64 << 10, 8, 4, 4 << 10, 4 << 10),      # a cap below 64 KiB is still obeyed
+    (24, 8, 3, 256 << 10, 64 << 10),         # fewer elements than one piece: one piece
 ])
 def test_piece_size_pipelines_every_reducer(nbytes, itemsize, nservers, piece_bytes, want_bytes):
     elems = piece_elements(nbytes // itemsize, itemsize, nservers, piece_bytes)
     assert elems == want_bytes // itemsize
     pieces = -(-(nbytes // itemsize) // elems)
-    if want_bytes < piece_bytes and want_bytes > 16 << 10:
-        assert pieces == 4 * nservers
+    if want_bytes < piece_bytes and want_bytes > 64 << 10:
+        assert pieces == 16 * nservers
 
 
 def test_every_op_and_dtype_through_two_reducers(reducers):

@@ -137,10 +137,16 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Finish | No
 
 
 #: A message is cut into at least this many pieces per server (when pieces stay above
-#: MIN_PIECE_BYTES): a reducer forwards a piece only once it has all of it, so one piece
-#: per server would cost the whole message twice over the link instead of once plus a piece.
-PIECES_PER_SERVER = 4
-MIN_PIECE_BYTES = 16 * 1024
+#: MIN_PIECE_BYTES): a reducer forwards a piece only once it has all of it from every worker,
+#: so its link idles until a first round of pieces is in (the fill), and a worker's flows to
+#: the reducers never progress quite evenly, so pieces wait for the last worker's share: both
+#: cost a round of pieces, a quarter of the message with 4 pieces per server, a sixteenth with
+#: 16.  4 workers + 4 reducers, 4 MiB, 2 alternating rounds: 59-64 ms -> 41-42 ms at 1 Gbit/s
+#: (0.83-0.86x -> 1.25-1.29x gloo), 108-110 ms -> 82 ms at 500 Mbit/s; 2 + 2 at 1 Gbit/s,
+#: 1 MiB: 13.0-13.2 ms -> 8.9-9.1 ms.  Below 64 KiB a piece's own cost shows: 16 KiB pieces
+#: took 4 + 4 at 1 MiB from 0.9x to 0.4x gloo (the machine CPU-bound).
+PIECES_PER_SERVER = 16
+MIN_PIECE_BYTES = 64 * 1024
 
 
 def piece_elements(count: int, itemsize: int, nservers: int, piece_bytes: int) -> int:

@@ -17,6 +17,7 @@ from redsock.errors import ConfigError
 from redsock.plan import DEFAULT, Cluster, Profile, fewest_reducers, load_profile, predict, predict_all
 from redsock.plan import lab, model
 from redsock.plan.command import make_plan, plot_scaling
+from redsock.testbed import netns
 
 S = 64 << 20
 G = 100e9
@@ -117,7 +118,7 @@ def test_ddp_step_and_cost() -> None:
 
 def test_bad_layouts_are_refused() -> None:
     for kw in ({"hosts": 0}, {"ranks_per_host": 0}, {"link_bps": 0}, {"reducers": -1},
-               {"reducer_link_bps": -5.0}, {"reducer_cores": 0}):
+               {"reducer_link_bps": -5.0}, {"reducer_cores": 0}, {"burst_bytes": -1}):
         args = {"hosts": 4, "ranks_per_host": 1, "link_bps": G, **kw}
         with pytest.raises(ConfigError):
             Cluster(**args)
@@ -295,7 +296,7 @@ def test_lab_reads_the_multirank_runs_with_their_series_and_routes() -> None:
 
 
 def test_lab_ddp_takes_compute_from_gloo_and_predicts_the_rest(tmp_path: Path) -> None:
-    c = Cluster(4, 1, 1e9, reducers=4)
+    c = Cluster(4, 1, 1e9, reducers=4, burst_bytes=netns.burst_bytes(int(1e9)))  # the testbed's links
     grad = 30_000_000
     compute = 0.1
     steps = {a: 1 / (compute + model.gradient_sync_s(m, c, grad, lab.DDP_BUCKET, DEFAULT))
@@ -335,6 +336,15 @@ def test_reducers_fill_and_drain(n: int, m: int, nbytes: int, per_pair: int) -> 
     fill, drain = used * per_pair * piece / g, max(n, used) * piece / g
     assert pred.seconds == pytest.approx(max(max(host, reducer) + drain, fill + reducer), rel=1e-6)
     assert pred.link_share == pytest.approx(1.0, rel=1e-6)  # the fill and the drain are NIC time too
+    # Links with the testbed's token bucket make up for idling, up to a burst each: a reducer's
+    # for the fill, a host's for what is left of the drain (before its next call's upload).
+    burst = netns.burst_bytes(int(1e9))
+    lab = predict("reducers", Cluster(n, 1, 1e9, reducers=m, burst_bytes=burst), nbytes, p)
+    b = burst / g
+    idle = max(max(host, reducer) + drain, max(0.0, fill - b) + reducer) - max(host, reducer)
+    assert lab.seconds == pytest.approx(max(host, reducer) + max(0.0, idle - b), rel=1e-6)
+    assert predict("ring", Cluster(n, 1, 1e9, burst_bytes=burst), nbytes, p).seconds == \
+        predict("ring", Cluster(n, 1, 1e9), nbytes, p).seconds  # a ring's links never idle mid-call
 
 
 def test_fewest_reducers_is_the_best_time_not_the_most_reducers() -> None:

@@ -15,7 +15,9 @@ inter-host algorithm on S/L per rank, in-host all-gather), so their phases add u
 
 Reducers forward a piece only once they hold all of it: the last pieces still cross the NICs
 after the upload (drain), and a reducer NIC as loaded as a host's starts only once a first
-piece is whole (fill).
+piece is whole (fill).  An emulated link (the testbed's token bucket, ``Cluster.burst_bytes``)
+makes up for idling, up to its burst: a reducer's link for the fill, a host's for the drain
+(its next call's upload starts that much ahead).  A real NIC has no such bucket.
 
 Recursive doubling is not pipelined: each of its rounds sends the whole buffer and waits,
 so its rounds add up, each bound by the busiest host NIC in that round.
@@ -69,6 +71,9 @@ class Cluster:
     reducers: int = 0
     reducer_link_bps: float | None = None
     reducer_cores: int = 1
+    #: Bytes a link that sat idle sends at once, beyond its rate: an emulated link's token
+    #: bucket (the testbed's tc ``burst``); a real NIC has none (0).
+    burst_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.hosts, int) or self.hosts < 1:
@@ -85,6 +90,8 @@ class Cluster:
             raise ConfigError(f"reducer link rate must be > 0, got {self.reducer_link_bps!r}")
         if not isinstance(self.reducer_cores, int) or self.reducer_cores < 1:
             raise ConfigError(f"reducer cores must be a whole number >= 1, got {self.reducer_cores!r}")
+        if not self.burst_bytes >= 0:
+            raise ConfigError(f"burst bytes must be >= 0, got {self.burst_bytes!r}")
 
     @property
     def world(self) -> int:
@@ -236,7 +243,11 @@ def _reducers(c: Cluster, s: float, p: Profile, senders_per_host: int, per_sende
                 else min(_streams_per_reducer(shards, c.reducers), WINDOW, pieces_per_pair))
     at_once = senders_per_host * used * per_pair
     fill = at_once * piece / _goodput(c.link_bps, p)
-    drain = max(drain, fill + terms["reducer NIC"] - max(terms.values()))
+    # A link with a token bucket (the lab's) makes up for idling, up to its burst: a reducer's
+    # during the fill, a host's during the drain (its next call's upload starts that far ahead).
+    drain = max(drain, max(0.0, fill - c.burst_bytes / _goodput(c.reducer_bps, p))
+                + terms["reducer NIC"] - max(terms.values()))
+    drain = max(0.0, drain - c.burst_bytes / _goodput(c.link_bps, p))
     return 2 * p.reducer_hop_s, terms, nic, drain
 
 

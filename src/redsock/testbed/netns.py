@@ -237,7 +237,7 @@ def clear_root_qdisc(ns: str, dev: str) -> None:
     run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
 
 
-def _burst_bytes(rate_bps: int) -> int:
+def burst_bytes(rate_bps: int) -> int:
     # veth hands the qdisc GSO super-packets of up to 64 KiB.  A bucket smaller
     # than that makes tbf split every super-packet (CPU-heavy), and a bucket of
     # only a few packets makes the token refill timer-bound; ~2 ms of rate, at
@@ -262,7 +262,7 @@ def shape_uniform(ns: str, dev: str, rate: int | str) -> None:
     bps = parse_rate(rate)
     clear_root_qdisc(ns, dev)
     run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
-         "rate", f"{bps}bit", "burst", str(_burst_bytes(bps)),
+         "rate", f"{bps}bit", "burst", str(burst_bytes(bps)),
          "limit", str(_queue_limit_bytes(bps))])
 
 
@@ -330,7 +330,7 @@ def shape_per_flow(ns: str, dev: str, rates: Sequence[int | str], shift: int = 1
     run(tc + ["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
     parent = "1:"
     if cap is not None:
-        burst = str(_burst_bytes(cap))
+        burst = str(burst_bytes(cap))
         run(tc + ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
                   "rate", f"{cap}bit", "ceil", f"{cap}bit", "burst", burst, "cburst", burst,
                   "quantum", str(_quantum(cap))])
@@ -340,7 +340,7 @@ def shape_per_flow(ns: str, dev: str, rates: Sequence[int | str], shift: int = 1
         cid = f"1:{10 + i}"
         run(tc + ["class", "add", "dev", dev, "parent", parent, "classid", cid, "htb",
                   "rate", f"{g}bit", "ceil", f"{c}bit",
-                  "burst", str(_burst_bytes(g)), "cburst", str(_burst_bytes(c)),
+                  "burst", str(burst_bytes(g)), "cburst", str(burst_bytes(c)),
                   "quantum", str(_quantum(g))])
         # htb's default leaf queue counts *packets* (txqlen); GSO packets are up
         # to 64 KiB, so bound the queue in bytes instead.

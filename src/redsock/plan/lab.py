@@ -286,7 +286,8 @@ def results_section(results_dir: str | Path, profile: Profile, cores: int | None
     lines = [
         (f"`redsock plan --lab {_RESULTS_NAME}` predicts every all-reduce above with the model of "
          "`src/redsock/plan/model.py` (time = steps x per-step latency + the slowest resource's bytes / its rate "
-         "+ the reducers' fill and drain; bytes per host NIC as in DESIGN.md section 7; payload = line rate x goodput "
+         "+ the reducers' fill and drain, less what the testbed's token buckets let an idle link make up (its tc "
+         "burst); bytes per host NIC as in DESIGN.md section 7; payload = line rate x goodput "
          f"factor) and the profile \"{profile.source}\". Nothing is fitted to these rows. Each point is classed "
          f"before comparing: **CPU-bound** where more than {PROCS_PER_CORE} processes per core work for the series "
          f"(ranks, plus reducers for the reducer series) or the whole machine was at least {BUSY_LIMIT:.0%} busy "

@@ -32,8 +32,8 @@ from ..bench import reproduce
 from ..bench import report
 from ..bench.report import Row, human_size
 from ..bench.testbed_launch import BUSY_LIMIT, MACHINE_BUSY_RE
-from ..testbed import netns
 from ..errors import ConfigError
+from ..testbed import netns
 from . import model
 from .model import Cluster
 from .profile import Profile
@@ -122,10 +122,13 @@ def _layout(r: Row) -> tuple[Cluster, float]:
     per_host = int(tb.get("ranks_per_host", 1))
     if r.world % per_host:
         raise ConfigError(f"row {r.label}: world {r.world} is not a multiple of {per_host} ranks per host")
-    rate = float(tb["rate_bps"])
-    cluster = Cluster(r.world // per_host, per_host, rate, int(tb.get("servers", 0)),
-                      burst_bytes=netns.burst_bytes(int(rate)))
+    cluster = _testbed_cluster(r.world // per_host, per_host, float(tb["rate_bps"]), int(tb.get("servers", 0)))
     return cluster, float(tb.get("goodput_factor", reproduce.GOODPUT_FACTOR))
+
+
+def _testbed_cluster(hosts: int, per_host: int, rate_bps: float, reducers: int) -> Cluster:
+    """A layout as the testbed emulates it: its links' token buckets burst as it shapes them."""
+    return Cluster(hosts, per_host, rate_bps, reducers, burst_bytes=netns.burst_bytes(int(rate_bps)))
 
 
 def check_rows(rows: list[Row], profile: Profile, cores: int | None = None) -> list[Check]:
@@ -256,8 +259,7 @@ def ddp_checks(results_dir: str | Path, profile: Profile, cores: int | None = No
             algo = DDP_ALGO.get(r["algo"])
             if algo is None:
                 continue
-            rate = float(r["rate_bps"])
-            c = Cluster(int(r["workers"]), 1, rate, int(r.get("servers") or 0), burst_bytes=netns.burst_bytes(int(rate)))
+            c = _testbed_cluster(int(r["workers"]), 1, float(r["rate_bps"]), int(r.get("servers") or 0))
             sync = {a: model.gradient_sync_s(a, c, int(r["grad_bytes"]), DDP_BUCKET, profile) for a in ("gloo", algo)}
             compute = max(0.0, 1 / float(gloo["steps_per_s"]) - sync["gloo"])
             predicted = 1 / model.ddp_step_s(sync[algo], compute, 0.0)

@@ -114,17 +114,16 @@ class RedsockWork(dist.Work):
     # -- completion (called from the communicator's threads) -----------------------
 
     def _set_result(self, value: Any) -> None:
+        self._settle(value)
+
+    def _set_error(self, error: BaseException) -> None:
+        self._error = error  # before the latch opens: a woken wait() raises it
+        self._settle(_Failed(error))
+
+    def _settle(self, value: Any) -> None:
         self._end_record()
         self._keep = None
         self._private.set_result(value)
-        self._completed = True
-        self._latch.release()
-
-    def _set_error(self, error: BaseException) -> None:
-        self._end_record()
-        self._keep = None
-        self._error = error
-        self._private.set_result(_Failed(error))
         self._completed = True
         self._latch.release()
 

@@ -25,6 +25,9 @@ G = 100e9
 LINKS_ONLY = dataclasses.replace(DEFAULT, gloo_step_s=1e-12, redsock_step_s=1e-12, reducer_hop_s=1e-12,
                                  reducer_cpu_s_per_byte=1e-30, reduce_Bps=1e30, intra_Bps=1e30,
                                  loopback_Bps=1e30, piece_bytes=1)
+# The same with pieces as small as a configuration allows (REDSOCK_PIECE_BYTES >= 4 KiB): a
+# search over the number of reducers tries every M up to one piece each.
+LINKS_ONLY_4K = dataclasses.replace(LINKS_ONLY, piece_bytes=4096)
 
 
 def goodput(bps: float, p: Profile = DEFAULT) -> float:
@@ -83,9 +86,19 @@ def test_seed_example_sizes_reducers_like_vertex() -> None:
     """5 hosts x 100 Gbit/s, 32 Gbit/s reducers: reducers' total >= workers' total -> 16."""
     c = Cluster(5, 8, 100e9, reducer_link_bps=32e9)
     for algo in ("hreducers", "reducers"):
-        m, pred = fewest_reducers(algo, c, S, LINKS_ONLY, within=0.0)
+        m, pred = fewest_reducers(algo, c, S, LINKS_ONLY_4K, within=0.0)
         assert m == math.ceil(5 * (100e9 if algo == "hreducers" else 100e9) / 32e9) == 16
-        assert predict(algo, c.with_reducers(m - 1), S, LINKS_ONLY).seconds > pred.seconds
+        assert predict(algo, c.with_reducers(m - 1), S, LINKS_ONLY_4K).seconds > pred.seconds
+
+
+def test_fewest_reducers_searches_as_far_as_a_small_piece_cap_reaches() -> None:
+    """With pieces capped below MIN_PIECE_BYTES (REDSOCK_PIECE_BYTES=16K), a 256 KiB message is
+    16 pieces: up to 16 reducers share them, not the 4 that 64 KiB pieces would fill."""
+    p = dataclasses.replace(DEFAULT, piece_bytes=16 * 1024)
+    c = Cluster(4, 1, 100e9, reducer_link_bps=1e9)
+    m, pred = fewest_reducers("reducers", c, 256 * 1024, p)
+    assert m > 4 and pred.seconds < predict("reducers", c.with_reducers(4), 256 * 1024, p).seconds
+    assert m <= 16
 
 
 def test_time_never_grows_with_reducers() -> None:
@@ -176,6 +189,7 @@ def test_plan_command_tables_ddp_and_costs(capsys: pytest.CaptureFixture[str]) -
     (["--hosts", "4", "--link", "1gbit", "--price-host", "3"], "needs a step"),
     (["--hosts", "4", "--link", "1gbit", "--set", "warp=9"], "NAME=VALUE"),
     (["--hosts", "4", "--link", "1gbit", "--set", "intra_Bps=-1"], "> 0"),
+    (["--hosts", "4", "--link", "1gbit", "--set", "piece_bytes=1000"], ">= 4096"),
     (["--hosts", "4", "--link", "1gbit", "--profile", "/nonexistent.json"], "cannot read"),
 ])
 def test_plan_command_errors(argv: list[str], msg: str, capsys: pytest.CaptureFixture[str]) -> None:

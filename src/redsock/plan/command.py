@@ -272,6 +272,8 @@ def apply_overrides(profile: Profile, sets: list[str] | None) -> Profile:
         changes[name] = _positive_float(value, f"--set {name}")
         if name == "piece_bytes":
             changes[name] = int(changes[name])
+            if changes[name] < 4096:  # as REDSOCK_PIECE_BYTES: workers never cut smaller pieces
+                raise ConfigError(f"--set piece_bytes must be >= 4096 (4 KiB), got {value}")
     if not changes:
         return profile
     return dataclasses.replace(profile, **changes,

@@ -323,11 +323,11 @@ def fewest_reducers(algo: str, c: Cluster, nbytes: int, p: Profile, within: floa
                     limit: int = 1 << 20) -> tuple[int, Prediction]:
     """The fewest reducers with which ``algo`` is within ``within`` (a fraction) of its best time.
     Time is not monotone in M: more reducers share the bytes, but each holds a last piece to
-    drain, and pieces shrink towards MIN_PIECE_BYTES, so every M up to one piece per reducer
-    (beyond it nothing changes) is tried."""
+    drain, and pieces shrink towards MIN_PIECE_BYTES (or the profile's smaller cap), so every M
+    up to one piece per reducer (beyond it nothing changes) is tried."""
     if algo not in REDUCER_ALGORITHMS:
         raise ConfigError(f"{algo!r} uses no reducers")
-    top = max(1, min(limit, math.ceil(nbytes / MIN_PIECE_BYTES)))
+    top = max(1, min(limit, math.ceil(nbytes / min(p.piece_bytes, MIN_PIECE_BYTES))))
     preds = [predict(algo, c.with_reducers(m), nbytes, p) for m in range(1, top + 1)]
     goal = min(q.seconds for q in preds) * (1 + within) * (1 + 1e-12)
     m = next(m for m, q in enumerate(preds, 1) if q.seconds <= goal)

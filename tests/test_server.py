@@ -3,11 +3,13 @@
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from redsock import ops
 from redsock.bench.procs import stop_processes
 from redsock.collectives.server_client import FALLBACK_WARNING_S, piece_elements
 from redsock.config import Config
+from redsock.errors import ConfigError, TransportError
 from redsock.server import ReductionServer
 from redsock.server.aggregate import BufferPool, Piece
 from redsock.transport import connect
@@ -370,3 +373,44 @@ def test_reducer_answers_liveness_probes():
     with ReductionServer("127.0.0.1", 0, config=Config(timeout_s=10)) as server:
         with connect(server.address, config=Config(timeout_s=10), name="prober") as c:
             assert c.probe(5.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metrics_count_rounds_and_bytes_then_free_their_port():
+    """``--metrics-port``: the rounds reduced and the bytes received, in Prometheus' text; a
+    second server in the same process keeps its own counts; close() frees the port."""
+    port = _free_port()
+    with ReductionServer("127.0.0.1", 0, config=Config(timeout_s=30), metrics_port=port) as server, \
+            ReductionServer("127.0.0.1", 0, metrics_port=_free_port()) as other:
+        assert server.metrics_address == ("127.0.0.1", port)
+        ok(run_world("server_async", 2, env={"REDSOCK_SERVERS": "%s:%d" % server.address, "TEST_REPS": "1"}))
+        scraped = {}
+        for srv in (server, other):
+            text = urllib.request.urlopen("http://%s:%d/metrics" % srv.metrics_address, timeout=10).read().decode()
+            scraped[srv] = {k: float(v) for k, v in re.findall(r"^(redsock_server_\w+) (\S+)$", text, re.M)}
+    # server_async: float32 all-reduces of 5, 2^18, 3 x 2^20 and 1000 elements from each of 2 ranks
+    assert scraped[server]["redsock_server_rounds_total"] == 4
+    assert scraped[server]["redsock_server_bytes_in_total"] == 2 * 4 * (5 + (1 << 18) + (3 << 20) + 1000)
+    assert scraped[server]["redsock_server_aborts_total"] == 0
+    assert scraped[other]["redsock_server_rounds_total"] == 0
+    socket.create_server(("127.0.0.1", port)).close()  # free again
+
+
+def test_server_refuses_bad_settings_and_leaves_nothing_running():
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ConfigError, match="65535"):
+        ReductionServer("127.0.0.1", 70000)
+    with pytest.raises(ConfigError, match="at least one loop thread"):
+        ReductionServer("127.0.0.1", 0, threads=0)
+    with ReductionServer("127.0.0.1", 0, threads=1) as taken:
+        with pytest.raises(TransportError, match="listen with 127.0.0.1:%d" % taken.address[1]):
+            ReductionServer("127.0.0.1", taken.address[1], metrics_port=_free_port())
+        with pytest.raises(TransportError, match="serve metrics with"):
+            ReductionServer("127.0.0.1", 0, metrics_port=taken.address[1])
+    _wait_until(lambda: {t.name for t in threading.enumerate()} <= before, 10)
+    assert {t.name for t in threading.enumerate()} <= before

@@ -46,7 +46,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=7700, help="port (default 7700)")
     srv.add_argument("--token-file", help="shared secret every worker must prove (HMAC handshake)")
     srv.add_argument("--threads", type=int, help="event-loop threads serving the connections (default: the cores)")
-    srv.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    srv.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port, on --host (default or 0: none)")
     srv.add_argument("--max-piece-bytes", default="256M",
                      help="largest piece a worker may send (bounds what one message can make the server hold)")
     srv.set_defaults(func=_serve)

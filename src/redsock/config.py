@@ -172,6 +172,13 @@ def read_token_file(path: str | os.PathLike) -> bytes:
     return token
 
 
+def check_port(host: str, port: int, what: str) -> None:
+    """A port to listen on: 0 (any free one) to 65535, else a clear error (the socket module
+    would raise OverflowError, which no caller expects)."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"cannot {what} on {host}:{port}: a port is 0 (any free one) to 65535")
+
+
 def parse_hostport(text: str, default_port: int | None = None) -> tuple[str, int]:
     """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)`` with a clear error."""
     host, sep, port = text.strip().rpartition(":")

@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import ops, wire
-from ..config import Config
-from ..errors import ProtocolError, RedsockError, TransportError
+from ..config import Config, check_port
+from ..errors import ConfigError, ProtocolError, RedsockError, TransportError
 from ..transport import Listener
+from ..transport.sockets import translate_oserror
 from .aggregate import BufferPool, Piece, Round
 from .engine import Link, Loop, Outgoing
 
@@ -61,10 +62,13 @@ class _Pending:
 class ReductionServer:
     """One reducer.  Serves as soon as it is built; ``close()`` stops it (idempotent).
 
-    ``threads``: event-loop threads (default: the machine's cores)."""
+    ``threads``: event-loop threads (default: the machine's cores).  ``metrics_port``: serve
+    Prometheus metrics there, on ``host`` (None or 0: none; ``metrics_address`` says where)."""
 
     def __init__(self, host: str = "0.0.0.0", port: int = 0, *, config: Config | None = None,
                  threads: int | None = None, metrics_port: int | None = None):
+        if threads is not None and threads < 1:
+            raise ConfigError(f"a reduction server needs at least one loop thread, got threads={threads}")
         _fixed_mmap_threshold()
         self.config = config or Config.from_env()
         self.pool = BufferPool()
@@ -72,15 +76,22 @@ class ReductionServer:
         self._jobs: dict[int, Job] = {}
         self._rounds: dict[tuple[int, int], Round] = {}
         self._closed = threading.Event()
+        self._metrics = _Metrics(host, metrics_port) if metrics_port else None
+        self._loops = [Loop(f"redsock-loop{i}") for i in range(threads or os.cpu_count() or 1)]
+        self._next_loop = itertools.cycle(self._loops)
+        try:
+            self.listener = Listener(host, port, config=self.config, on_connection=self._adopt,
+                                     connection_factory=self._make_link)
+        except BaseException:
+            for loop in self._loops:  # nothing was served: just end what was started above
+                loop.stop("the reduction server did not start")
+            if self._metrics:
+                self._metrics.close()
+            raise
+        self.address = self.listener.address
+        self.metrics_address = self._metrics.address if self._metrics else None
         self._wake_r, self._wake_w = socket.socketpair()  # serve_forever's wake-up (signals, close)
         self._wake_w.setblocking(False)
-        self._metrics = _Metrics(metrics_port) if metrics_port else None
-        nloops = threads or os.cpu_count() or 1
-        self._loops = [Loop(f"redsock-loop{i}") for i in range(nloops)]
-        self._next_loop = itertools.cycle(self._loops)
-        self.listener = Listener(host, port, config=self.config, on_connection=self._adopt,
-                                 connection_factory=self._make_link)
-        self.address = self.listener.address
         self._janitor = threading.Thread(target=self._reap_stalled, daemon=True, name="redsock-janitor")
         self._janitor.start()
 
@@ -104,6 +115,8 @@ class ReductionServer:
         for rnd in rounds:
             for piece in rnd.pieces.values():
                 piece.release()
+        if self._metrics:
+            self._metrics.close()
         try:
             self._wake_w.send(b"\0")
         except OSError:
@@ -374,13 +387,25 @@ def _fixed_mmap_threshold() -> None:
 
 
 class _Metrics:
-    """Prometheus metrics on ``--metrics-port``."""
+    """Prometheus metrics on ``--metrics-port`` (its own registry and HTTP server: two servers
+    in one process do not collide, and close() frees the port)."""
 
-    def __init__(self, port: int):
-        from prometheus_client import Counter, Gauge, start_http_server
+    def __init__(self, host: str, port: int):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-        self.jobs = Gauge("redsock_server_jobs", "jobs connected")
-        self.rounds = Counter("redsock_server_rounds_total", "all-reduce rounds completed")
-        self.bytes_in = Counter("redsock_server_bytes_in_total", "contribution bytes received")
-        self.aborts = Counter("redsock_server_aborts_total", "jobs aborted (failed worker or deadline)")
-        start_http_server(port)
+        check_port(host, port, "serve metrics")
+        registry = CollectorRegistry()
+        self.jobs = Gauge("redsock_server_jobs", "jobs connected", registry=registry)
+        self.rounds = Counter("redsock_server_rounds_total", "all-reduce rounds completed", registry=registry)
+        self.bytes_in = Counter("redsock_server_bytes_in_total", "contribution bytes received", registry=registry)
+        self.aborts = Counter("redsock_server_aborts_total", "jobs aborted (failed worker or deadline)",
+                              registry=registry)
+        try:
+            self._http, _ = start_http_server(port, addr=host, registry=registry)
+        except OSError as e:
+            raise translate_oserror(e, f"{host}:{port}", "serve metrics") from e
+        self.address: tuple[str, int] = self._http.server_address[:2]
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import wire
-from ..config import Config
+from ..config import Config, check_port
 from ..errors import ProtocolError, RedsockError, Timeout, TransportError
 from .connection import Connection
 from .handshake import client_handshake, send_verdict, server_handshake
@@ -111,6 +111,7 @@ class Listener:
         # What serves an established connection's sockets (the reduction server's event loops
         # take the raw sockets instead of a threaded Connection).
         self._connection_factory = connection_factory
+        check_port(host, port, "listen")
         try:
             self._sock = socket.create_server((host, port), backlog=backlog)
         except OSError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -46,8 +47,10 @@ def test_exit_reasons_name_the_signal():
 
 
 def test_launcher_says_which_rank_failed():
-    r = subprocess.run([sys.executable, "-m", "redsock", "bench", "allreduce", "--nprocs", "2", "-d", "complex64",
-                        "--no-progress"], capture_output=True, text=True, timeout=120)
+    # The ranks fail, not the launcher: the reducers' algorithm with no reducers configured.
+    env = {k: v for k, v in os.environ.items() if k != "REDSOCK_SERVERS"}
+    r = subprocess.run([sys.executable, "-m", "redsock", "bench", "allreduce", "--nprocs", "2", "--algo", "server",
+                        "-b", "8", "-e", "8", "--no-progress"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode != 0
     assert "redsock: rank 0 exited with status" in r.stderr or "redsock: rank 1 exited with status" in r.stderr
 
@@ -88,3 +91,19 @@ def test_tiled_inputs_and_references_follow_their_closed_form(dtype, op):
         assert np.array_equal(allreduce.make_input(count, dt, rop, r, seed, start).astype(np.float64), closed_form(r))
     want = (np.prod if rop is ops.ReduceOp.PROD else np.sum)([closed_form(r) for r in range(world)], axis=0)
     assert np.array_equal(allreduce.reference(count, dt, rop, world, seed, start), want)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--nprocs", "0"], "--nprocs must be >= 1"),
+    (["--nprocs", "2", "-b", "8", "-e", "4"], "need -b <= -e"),
+    (["--nprocs", "2", "-d", "complex64"], "unsupported dtype 'complex64'"),
+    (["--nprocs", "2", "--algo", "auto,warp"], "unknown --algo 'warp'"),
+    (["--nprocs", "2", "-n", "0"], "need -n >= 1"),
+])
+def test_launcher_refuses_bad_options_once_before_starting_ranks(argv, says):
+    """One clear line from the launcher (exit 2), not one per rank after N interpreters started."""
+    p = subprocess.run([sys.executable, "-m", "redsock", "bench", "allreduce", *argv], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [f"redsock: error: {p.stderr.split('error: ', 1)[1].strip()}"]
+    assert says in p.stderr and "rank" not in p.stderr.replace("--nprocs", "")

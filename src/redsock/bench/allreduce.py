@@ -206,14 +206,8 @@ def run_rank(args: argparse.Namespace) -> int:
     timeout = float(os.environ.get("REDSOCK_TIMEOUT_S", "120"))
     store = store_from_env(rank, world, timeout)
     comm = api.init(rank, world, store)
-    dtype = ops.dtype_from_name(args.dtype)
-    op = ops.ReduceOp.parse(args.op)
-    algos = [a.strip() for a in args.algo.split(",") if a.strip()]
-    for a in algos:
-        if a not in REDSOCK_ALGOS + ("gloo",):
-            raise ConfigError(f"unknown --algo {a!r}; choose from {', '.join(REDSOCK_ALGOS + ('gloo',))}")
+    dtype, op, algos, sizes = _sweep(args)
     gloo = _Gloo(store, rank, world, timeout) if "gloo" in algos else None
-    sizes = _sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor, dtype.itemsize)
     rows = []
     progress = _progress(rank == 0 and not args.no_progress, len(sizes) * len(algos))
     try:
@@ -285,6 +279,21 @@ def _check(fn, count: int, dtype: np.dtype, op: ops.ReduceOp, rank: int, world: 
     comm.all_reduce(stats[1:], "max")
     identical = stats[1] == -stats[2]  # max == min of the digests
     return int(stats[0]) + (0 if identical else count)
+
+
+def _sweep(args: argparse.Namespace) -> tuple[np.dtype, ops.ReduceOp, list[str], list[int]]:
+    """The dtype, op, algorithms and sizes the command asks for, or a ConfigError saying what
+    is wrong (checked by the launcher too, so that a bad option is one message, not one per rank)."""
+    dtype = ops.dtype_from_name(args.dtype)
+    op = ops.ReduceOp.parse(args.op)
+    algos = [a.strip() for a in args.algo.split(",") if a.strip()]
+    for a in algos:
+        if a not in REDSOCK_ALGOS + ("gloo",):
+            raise ConfigError(f"unknown --algo {a!r}; choose from {', '.join(REDSOCK_ALGOS + ('gloo',))}")
+    if args.iters < 1 or args.warmup < 0:
+        raise ConfigError(f"need -n >= 1 and -w >= 0, got -n {args.iters} -w {args.warmup}")
+    return dtype, op, algos, _sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor,
+                                    dtype.itemsize)
 
 
 def _sizes(lo: int, hi: int, factor: int, itemsize: int) -> list[int]:
@@ -401,9 +410,10 @@ def run(args: argparse.Namespace) -> int:
         from . import allreduce_testbed
 
         return allreduce_testbed.run(args)  # one rank per namespace of an emulated cluster
-    if args.nprocs:
+    if args.nprocs is not None:
         if args.nprocs < 1:
             raise ConfigError("--nprocs must be >= 1")
+        _sweep(args)
         argv = [a for a in sys.argv[1:]]
         # Re-run this same command in each rank, minus the launcher's own options.
         child = _strip(argv, {"--nprocs": 1, "--timeout": 1})

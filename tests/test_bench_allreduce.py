@@ -53,6 +53,7 @@ def test_launcher_says_which_rank_failed():
                         "-b", "8", "-e", "8", "--no-progress"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode != 0
     assert "redsock: rank 0 exited with status" in r.stderr or "redsock: rank 1 exited with status" in r.stderr
+    assert "needs reduction servers" in r.stderr and "rank 0: rank 0" not in r.stderr  # named once
 
 
 def test_checked_sweep_over_blocks_reports_zero_wrong(monkeypatch, tmp_path):

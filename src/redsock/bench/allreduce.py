@@ -423,7 +423,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         return run_rank(args)
     except RedsockError as e:
-        print(f"redsock: rank {os.environ.get('RANK')}: {e}", file=sys.stderr)
+        who = f"rank {os.environ.get('RANK')}: "
+        text = str(e)  # a failed collective's message names its rank already
+        print(f"redsock: {text if text.startswith(who) else who + text}", file=sys.stderr)
         return 2
 
 

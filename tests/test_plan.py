@@ -13,6 +13,7 @@ import pytest
 
 from redsock.bench.report import Row
 from redsock.cli import main
+from redsock.config import SMALLEST_PIECE_BYTES
 from redsock.errors import ConfigError
 from redsock.plan import DEFAULT, Cluster, Profile, fewest_reducers, load_profile, predict, predict_all
 from redsock.plan import lab, model
@@ -27,7 +28,7 @@ LINKS_ONLY = dataclasses.replace(DEFAULT, gloo_step_s=1e-12, redsock_step_s=1e-1
                                  loopback_Bps=1e30, piece_bytes=1)
 # The same with pieces as small as a configuration allows (REDSOCK_PIECE_BYTES >= 4 KiB): a
 # search over the number of reducers tries every M up to one piece each.
-LINKS_ONLY_4K = dataclasses.replace(LINKS_ONLY, piece_bytes=4096)
+LINKS_ONLY_4K = dataclasses.replace(LINKS_ONLY, piece_bytes=SMALLEST_PIECE_BYTES)
 
 
 def goodput(bps: float, p: Profile = DEFAULT) -> float:

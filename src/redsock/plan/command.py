@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bench.report import human_size
-from ..config import parse_size
+from ..config import SMALLEST_PIECE_BYTES, parse_size
 from ..errors import ConfigError
 from ..testbed.netns import format_rate, parse_rate
 from . import model
@@ -272,8 +272,8 @@ def apply_overrides(profile: Profile, sets: list[str] | None) -> Profile:
         changes[name] = _positive_float(value, f"--set {name}")
         if name == "piece_bytes":
             changes[name] = int(changes[name])
-            if changes[name] < 4096:  # as REDSOCK_PIECE_BYTES: workers never cut smaller pieces
-                raise ConfigError(f"--set piece_bytes must be >= 4096 (4 KiB), got {value}")
+            if changes[name] < SMALLEST_PIECE_BYTES:  # as REDSOCK_PIECE_BYTES: no smaller pieces are cut
+                raise ConfigError(f"--set piece_bytes must be >= {SMALLEST_PIECE_BYTES} (4 KiB), got {value}")
     if not changes:
         return profile
     return dataclasses.replace(profile, **changes,

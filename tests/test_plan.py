@@ -155,7 +155,8 @@ def test_profile_round_trip_and_errors(tmp_path: Path) -> None:
     partial.write_text(json.dumps({"version": 1, "redsock_step_s": 1e-5}))
     assert load_profile(partial) == dataclasses.replace(DEFAULT, redsock_step_s=1e-5)
     for text, msg in [("{", "not JSON"), ('{"bogus": 1}', "unknown field"), ('{"reduce_Bps": -1}', "positive"),
-                      ('{"version": 9}', "version"), ('{"goodput_factor": 1.5}', "goodput")]:
+                      ('{"version": 9}', "version"), ('{"goodput_factor": 1.5}', "goodput"),
+                      ('{"piece_bytes": 1000}', ">= 4096")]:
         (tmp_path / "bad.json").write_text(text)
         with pytest.raises(ConfigError, match=msg):
             load_profile(tmp_path / "bad.json")

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..config import SMALLEST_PIECE_BYTES
 from ..errors import ConfigError
 
 __all__ = ["DEFAULT", "Profile", "load_profile"]
@@ -89,7 +90,11 @@ class Profile:
         if unknown:
             raise ConfigError(f"{origin}: unknown field(s) {', '.join(unknown)}")
         # A partial profile overrides the defaults field by field.
-        return replace(DEFAULT, **{k: v for k, v in obj.items() if k in known})
+        profile = replace(DEFAULT, **{k: v for k, v in obj.items() if k in known})
+        if profile.piece_bytes < SMALLEST_PIECE_BYTES:  # as REDSOCK_PIECE_BYTES: no smaller pieces are cut
+            raise ConfigError(f"{origin}: piece_bytes must be >= {SMALLEST_PIECE_BYTES} (4 KiB), "
+                              f"got {profile.piece_bytes}")
+        return profile
 
 
 DEFAULT = Profile()

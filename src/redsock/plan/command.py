@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from ..bench.report import human_size
-from ..config import SMALLEST_PIECE_BYTES, parse_size
+from ..config import parse_size
 from ..errors import ConfigError
 from ..testbed.netns import format_rate, parse_rate
 from . import model
 from .model import LABELS, Cluster, Prediction
-from .profile import Profile, load_profile
+from .profile import Profile, check_piece_bytes, load_profile
 
 __all__ = ["Plan", "add_arguments", "make_plan", "plot_scaling", "render_text", "run"]
 
@@ -272,8 +272,7 @@ def apply_overrides(profile: Profile, sets: list[str] | None) -> Profile:
         changes[name] = _positive_float(value, f"--set {name}")
         if name == "piece_bytes":
             changes[name] = int(changes[name])
-            if changes[name] < SMALLEST_PIECE_BYTES:  # as REDSOCK_PIECE_BYTES: no smaller pieces are cut
-                raise ConfigError(f"--set piece_bytes must be >= {SMALLEST_PIECE_BYTES} (4 KiB), got {value}")
+            check_piece_bytes(changes[name], "--set")
     if not changes:
         return profile
     return dataclasses.replace(profile, **changes,

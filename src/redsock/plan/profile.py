@@ -20,7 +20,7 @@ from typing import Any
 from ..config import SMALLEST_PIECE_BYTES
 from ..errors import ConfigError
 
-__all__ = ["DEFAULT", "Profile", "load_profile"]
+__all__ = ["DEFAULT", "Profile", "check_piece_bytes", "load_profile"]
 
 PROFILE_VERSION = 1
 
@@ -91,13 +91,18 @@ class Profile:
             raise ConfigError(f"{origin}: unknown field(s) {', '.join(unknown)}")
         # A partial profile overrides the defaults field by field.
         profile = replace(DEFAULT, **{k: v for k, v in obj.items() if k in known})
-        if profile.piece_bytes < SMALLEST_PIECE_BYTES:  # as REDSOCK_PIECE_BYTES: no smaller pieces are cut
-            raise ConfigError(f"{origin}: piece_bytes must be >= {SMALLEST_PIECE_BYTES} (4 KiB), "
-                              f"got {profile.piece_bytes}")
+        check_piece_bytes(profile.piece_bytes, origin)
         return profile
 
 
 DEFAULT = Profile()
+
+
+def check_piece_bytes(value: int, origin: str) -> None:
+    """A piece cap a user gives the planner: at least REDSOCK_PIECE_BYTES' floor, as no worker
+    cuts smaller pieces (and the reducer search would try a count per smallest piece)."""
+    if value < SMALLEST_PIECE_BYTES:
+        raise ConfigError(f"{origin}: piece_bytes must be >= {SMALLEST_PIECE_BYTES} (4 KiB), got {value}")
 
 
 def load_profile(path: str | Path | None) -> Profile:

@@ -128,6 +128,21 @@ def dies(comm, rank, world):
     raise AssertionError("a dead rank went unnoticed")
 
 
+def first_exits(comm, rank, world):
+    """Rank 0 exits before it opens any connection: the ranks waiting for it to connect (the
+    lower rank always connects) must hear of it well before the timeout."""
+    comm.barrier()
+    if rank == 0:
+        os._exit(9)
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(np.ones(1 << 20, np.float32), algorithm="ring")
+    except PeerFailure as e:
+        print(f"raised PeerFailure ranks={list(e.ranks)} after {time.monotonic() - t0:.1f}s: {e}", flush=True)
+        return
+    raise AssertionError("an exited rank went unnoticed")
+
+
 def server_matrix(comm, rank, world):
     """Every op x dtype through the reduction servers (REDSOCK_SERVERS from the test)."""
     for opname in OPS:

@@ -64,6 +64,11 @@ def test_mismatched_calls_raise_clearly(scenario, expect):
         assert code == 0, err[-2000:]
 
 
+def _raised_after(out: str) -> float:
+    """Seconds from the call to its PeerFailure, as a worker prints them."""
+    return float(out.split("raised PeerFailure", 1)[1].split(" after ", 1)[1].split("s:", 1)[0])
+
+
 def test_dead_rank_makes_the_others_raise_peer_failure():
     world = 4
     t0 = time.monotonic()
@@ -73,6 +78,21 @@ def test_dead_rank_makes_the_others_raise_peer_failure():
     for r, (code, out, err) in enumerate(outs[:-1]):
         assert code == 0, f"rank {r}:\n{err[-3000:]}"
         assert f"ranks=[{world - 1}]" in out, f"rank {r} did not name the dead rank: {out}"
+        # Dead before or after its connections opened (refused, or reset): known at once, not
+        # at the timeout (a refused connection was retried until the timeout: 9.7 s of 10).
+        assert _raised_after(out) < 5, out
+
+
+def test_rank_that_exits_before_connecting_is_named_before_the_timeout():
+    """Rank 0 opens every connection it has (the lower rank connects): when it exits first,
+    the ranks waiting for it watch its process (same host) instead of waiting 30 s."""
+    world = 3
+    outs = run_world("first_exits", world, timeout=90, env={"TEST_TIMEOUT_S": "30"})
+    assert outs[0][0] == 9
+    for r, (code, out, err) in enumerate(outs[1:], 1):
+        assert code == 0, f"rank {r}:\n{err[-3000:]}"
+        assert "ranks=[0]" in out, f"rank {r} did not name rank 0: {out}"
+        assert _raised_after(out) < 10, out
 
 
 def test_stopped_rank_is_detected_by_the_timeout():

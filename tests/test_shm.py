@@ -26,9 +26,10 @@ def test_topology_groups_uneven_non_consecutive_hosts():
     assert two.shards == 2 and two.inter_host_group(1) == (2, 3)
 
 
-def test_host_identity_is_boot_id_and_network_namespace():
+def test_host_identity_is_boot_id_network_and_pid_namespaces():
     with open("/proc/sys/kernel/random/boot_id") as f:
-        assert host_identity() == f"{f.read().strip()}/{os.stat('/proc/self/ns/net').st_ino}"
+        boot = f.read().strip()
+    assert host_identity() == f"{boot}/{os.stat('/proc/self/ns/net').st_ino}/{os.stat('/proc/self/ns/pid').st_ino}"
 
 
 def _check_world(outs, world):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import select
 import socket
 import struct
 import threading
@@ -25,6 +26,17 @@ from typing import Any, Protocol
 from .config import Config
 from .errors import ConfigError, PeerFailure, Timeout, TransportError
 from .transport import Connection, Listener, connect
+
+#: How long a rank retries a peer that refuses its connection.  A rank publishes its address
+#: only once its listener listens, so a refusal means that listener is gone: the peer died or
+#: closed its communicator.  Retrying until the timeout (torch's default: 30 min) only delayed
+#: the PeerFailure; the grace covers a listener whose full queue resets connections
+#: (net.ipv4.tcp_abort_on_overflow=1).
+REFUSED_RETRY_S = 2.0
+
+#: How long after a local peer's exit a rank still waits for its connection: one it opened
+#: just before exiting may still be in this rank's listener, mid-handshake.
+EXITED_GRACE_S = 1.0
 
 _generation = 0  # communicators created by this process; every rank creates them in the same order
 _gen_lock = threading.Lock()
@@ -125,15 +137,44 @@ def interface_address(ifname: str) -> str:
 
 
 def host_identity() -> str:
-    """What the kernel says a host is: its boot id and this process's network namespace
-    (two processes share a host iff both agree; two testbed namespaces are two hosts)."""
+    """What the kernel says a host is: its boot id and this process's network and pid
+    namespaces (two processes share a host iff all three agree; two testbed namespaces are two
+    hosts).  The pid namespace, because local ranks watch each other's processes (pidfds):
+    two containers of one pod share a network namespace, not their pids."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
         netns = os.stat("/proc/self/ns/net").st_ino
+        pidns = os.stat("/proc/self/ns/pid").st_ino
     except OSError:  # no procfs: every process is a host of its own (no shared memory)
         return f"{socket.gethostname()}/pid{os.getpid()}"
-    return f"{boot}/{netns}"
+    return f"{boot}/{netns}/{pidns}"
+
+
+class _ExitWatch:
+    """Whether a process of this host has exited (a pidfd; ``pid`` None: watch nothing)."""
+
+    def __init__(self, pid: int | None):
+        self._fd: int | None = None
+        self._gone_at: float | None = None
+        if pid is not None and hasattr(os, "pidfd_open"):
+            try:
+                self._fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self._gone_at = time.monotonic()
+            except OSError:  # no pidfds here: only the timeout and the store tell
+                pass
+
+    def gone_for(self) -> float:
+        """Seconds since the process was first seen gone (0 while it runs)."""
+        if self._gone_at is None and self._fd is not None and select.select([self._fd], [], [], 0)[0]:
+            self._gone_at = time.monotonic()
+        return 0.0 if self._gone_at is None else time.monotonic() - self._gone_at
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 @dataclass(frozen=True)
@@ -271,26 +312,46 @@ class PeerTable:
                     return conn
                 addr = self._lookup(peer)
                 host, _, port = addr.rpartition(":")
-                conn = connect((host, int(port)), config=self.config, name=self.name(self.rank),
-                               peer_name=f"rank {peer} ({addr})", retry_s=self.config.timeout_s)
+                retry_s = min(self.config.timeout_s, REFUSED_RETRY_S)
+                try:
+                    conn = connect((host, int(port)), config=self.config, name=self.name(self.rank),
+                                   peer_name=f"rank {peer} ({addr})", retry_s=retry_s)
+                except TransportError as e:
+                    if isinstance(e.__cause__, ConnectionRefusedError):
+                        raise TransportError(f"connect with rank {peer} ({addr}): refused for {retry_s:g}s: "
+                                             "it no longer listens (it exited, or closed its communicator)",
+                                             peer=e.peer, op="connect") from e
+                    raise
                 with self._cv:
                     self._conns[peer] = conn
                     failed = self._failed_reason
             if failed is not None:
                 conn.abort(failed)
             return conn
+        return self._wait_for(peer)
+
+    def _wait_for(self, peer: int) -> Connection:
+        """Wait for the lower rank ``peer`` to connect.  Up to the timeout, unless it gives up
+        (it says so through the store) or, on this host, its process exits."""
         deadline = time.monotonic() + self.config.timeout_s
-        with self._cv:
-            while peer not in self._conns:
-                left = deadline - time.monotonic()
-                if self._closed or left <= 0:
-                    raise PeerFailure(f"rank {self.rank}: rank {peer} never connected "
-                                      f"(in {self.config.timeout_s:g}s)", ranks=(peer,))
-                self._cv.wait(min(left, 0.2))
-                failure = self.announced_failure()
-                if failure is not None:  # it may never connect: it already gave up
-                    raise TransportError(failure, peer=f"rank {peer}", op="connect")
-            return self._conns[peer]
+        exit_watch = _ExitWatch(self.topology.pids[peer] if peer in self.topology.local_ranks else None)
+        try:
+            with self._cv:
+                while peer not in self._conns:
+                    left = deadline - time.monotonic()
+                    if self._closed or left <= 0:
+                        raise PeerFailure(f"rank {self.rank}: rank {peer} never connected "
+                                          f"(in {self.config.timeout_s:g}s)", ranks=(peer,))
+                    self._cv.wait(min(left, 0.2))
+                    failure = self.announced_failure()
+                    if failure is not None:  # it may never connect: it already gave up
+                        raise TransportError(failure, peer=f"rank {peer}", op="connect")
+                    if exit_watch.gone_for() > EXITED_GRACE_S:
+                        raise PeerFailure(f"rank {self.rank}: rank {peer} (pid {self.topology.pids[peer]}, "
+                                          f"on this host) exited before it connected", ranks=(peer,))
+                return self._conns[peer]
+        finally:
+            exit_watch.close()
 
     def fail(self, reason: str) -> None:
         """This rank gives up: abort every connection with ``reason`` — also ones that finish

@@ -85,7 +85,7 @@ def test_dead_rank_makes_the_others_raise_peer_failure():
 
 def test_rank_that_exits_before_connecting_is_named_before_the_timeout():
     """Rank 0 opens every connection it has (the lower rank connects): when it exits first,
-    the ranks waiting for it watch its process (same host) instead of waiting 30 s."""
+    the ranks waiting for it find its listener gone (they probe it) instead of waiting 30 s."""
     world = 3
     outs = run_world("first_exits", world, timeout=90, env={"TEST_TIMEOUT_S": "30"})
     assert outs[0][0] == 9

@@ -258,6 +258,22 @@ def test_listener_rejects_garbage_and_wrong_version_and_keeps_serving():
             assert np.array_equal(roundtrip(c, s, pattern(1000, 1)), pattern(1000, 1))
 
 
+def test_bare_connect_and_close_is_a_probe_not_a_rejected_stream(caplog):
+    # Ranks probe a peer's listener this way while they wait for it (bootstrap), as load
+    # balancers check a reducer's port: no warning, no rejection, and the listener serves on.
+    cfg = Config(timeout_s=10)
+    with Listener(config=cfg) as listener, caplog.at_level("DEBUG", logger="redsock"):
+        for _ in range(3):
+            socket.create_connection(listener.address, timeout=5).close()
+        deadline = time.monotonic() + 5
+        while caplog.text.count("(a probe)") < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert caplog.text.count("(a probe)") == 3, caplog.text
+        assert listener.rejected == 0 and "refused a stream" not in caplog.text
+        with connect(listener.address, config=cfg) as c, listener.accept(5) as s:
+            assert np.array_equal(roundtrip(c, s, pattern(1000, 1)), pattern(1000, 1))
+
+
 def test_wrong_version_is_reported_by_the_connecting_side(monkeypatch):
     with Listener(config=Config(timeout_s=10)) as listener:
         monkeypatch.setattr(wire, "VERSION", 2)

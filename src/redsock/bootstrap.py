@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import select
 import socket
 import struct
 import threading
@@ -27,16 +26,14 @@ from .config import Config
 from .errors import ConfigError, PeerFailure, Timeout, TransportError
 from .transport import Connection, Listener, connect
 
-#: How long a rank retries a peer that refuses its connection.  A rank publishes its address
-#: only once its listener listens, so a refusal means that listener is gone: the peer died or
-#: closed its communicator.  Retrying until the timeout (torch's default: 30 min) only delayed
-#: the PeerFailure; the grace covers a listener whose full queue resets connections
-#: (net.ipv4.tcp_abort_on_overflow=1).
+#: How long a rank retries a peer that refuses its connection (or its liveness probes, while
+#: waiting for it to connect).  A rank publishes its address only once its listener listens,
+#: so a refusal means that listener is gone: the peer died or closed its communicator.
+#: Retrying until the timeout (torch's default: 30 min) only delayed the PeerFailure; the
+#: grace covers a listener whose full queue resets connections (net.ipv4.tcp_abort_on_overflow=1).
 REFUSED_RETRY_S = 2.0
-
-#: How long after a local peer's exit a rank still waits for its connection: one it opened
-#: just before exiting may still be in this rank's listener, mid-handshake.
-EXITED_GRACE_S = 1.0
+#: How often a rank waiting for a lower rank to connect checks that the lower one still listens.
+PROBE_EVERY_S = 1.0
 
 _generation = 0  # communicators created by this process; every rank creates them in the same order
 _gen_lock = threading.Lock()
@@ -151,30 +148,31 @@ def host_identity() -> str:
     return f"{boot}/{netns}/{pidns}"
 
 
-class _ExitWatch:
-    """Whether a process of this host has exited (a pidfd; ``pid`` None: watch nothing)."""
+class _ListenerWatch:
+    """Whether a peer still listens at its published address, probed at most every
+    ``PROBE_EVERY_S`` with a bare TCP connect (the listener drops it quietly).  A refusal
+    means its listener is gone (see ``REFUSED_RETRY_S``); a probe that times out or finds
+    no route proves nothing, so it only counts refusals."""
 
-    def __init__(self, pid: int | None):
-        self._fd: int | None = None
-        self._gone_at: float | None = None
-        if pid is not None and hasattr(os, "pidfd_open"):
+    def __init__(self, address: str):
+        host, _, port = address.rpartition(":")
+        self._address = (host, int(port))
+        self._refused_since: float | None = None
+        self._next_probe = time.monotonic() + PROBE_EVERY_S
+
+    def refused_for(self) -> float:
+        """Seconds this peer has refused every probe (0 while it accepts, or before a probe)."""
+        now = time.monotonic()
+        if now >= self._next_probe:
+            self._next_probe = now + PROBE_EVERY_S
             try:
-                self._fd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                self._gone_at = time.monotonic()
-            except OSError:  # no pidfds here: only the timeout and the store tell
+                socket.create_connection(self._address, timeout=PROBE_EVERY_S).close()
+                self._refused_since = None
+            except ConnectionRefusedError:
+                self._refused_since = self._refused_since or now
+            except OSError:
                 pass
-
-    def gone_for(self) -> float:
-        """Seconds since the process was first seen gone (0 while it runs)."""
-        if self._gone_at is None and self._fd is not None and select.select([self._fd], [], [], 0)[0]:
-            self._gone_at = time.monotonic()
-        return 0.0 if self._gone_at is None else time.monotonic() - self._gone_at
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        return 0.0 if self._refused_since is None else now - self._refused_since
 
 
 @dataclass(frozen=True)
@@ -331,27 +329,28 @@ class PeerTable:
         return self._wait_for(peer)
 
     def _wait_for(self, peer: int) -> Connection:
-        """Wait for the lower rank ``peer`` to connect.  Up to the timeout, unless it gives up
-        (it says so through the store) or, on this host, its process exits."""
+        """Wait for the lower rank ``peer`` to connect: up to the timeout, unless it gives up
+        (it says so through the store) or its listener is gone (it exited first)."""
         deadline = time.monotonic() + self.config.timeout_s
-        exit_watch = _ExitWatch(self.topology.pids[peer] if peer in self.topology.local_ranks else None)
-        try:
+        address = self._lookup(peer)
+        watch = _ListenerWatch(address)
+        while True:
             with self._cv:
-                while peer not in self._conns:
+                if peer not in self._conns:
                     left = deadline - time.monotonic()
                     if self._closed or left <= 0:
                         raise PeerFailure(f"rank {self.rank}: rank {peer} never connected "
                                           f"(in {self.config.timeout_s:g}s)", ranks=(peer,))
                     self._cv.wait(min(left, 0.2))
-                    failure = self.announced_failure()
-                    if failure is not None:  # it may never connect: it already gave up
-                        raise TransportError(failure, peer=f"rank {peer}", op="connect")
-                    if exit_watch.gone_for() > EXITED_GRACE_S:
-                        raise PeerFailure(f"rank {self.rank}: rank {peer} (pid {self.topology.pids[peer]}, "
-                                          f"on this host) exited before it connected", ranks=(peer,))
-                return self._conns[peer]
-        finally:
-            exit_watch.close()
+                if peer in self._conns:
+                    return self._conns[peer]
+            # (outside the lock: a probe may take a while, and connections arrive under it)
+            failure = self.announced_failure()
+            if failure is not None:  # it may never connect: it already gave up
+                raise TransportError(failure, peer=f"rank {peer}", op="connect")
+            if watch.refused_for() > REFUSED_RETRY_S:
+                raise PeerFailure(f"rank {self.rank}: rank {peer} ({address}) never connected, and no longer "
+                                  "listens: it exited, or closed its communicator", ranks=(peer,))
 
     def fail(self, reason: str) -> None:
         """This rank gives up: abort every connection with ``reason`` — also ones that finish

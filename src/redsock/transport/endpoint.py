@@ -17,7 +17,7 @@ from .. import wire
 from ..config import Config, check_port
 from ..errors import ProtocolError, RedsockError, Timeout, TransportError
 from .connection import Connection
-from .handshake import client_handshake, send_verdict, server_handshake
+from .handshake import ClosedBeforeHello, client_handshake, send_verdict, server_handshake
 from .sockets import same_host, translate_oserror, tune
 
 log = logging.getLogger("redsock.transport")
@@ -181,6 +181,9 @@ class Listener:
                 self._add_control(sock, hello, addr, timeout)
             else:
                 self._add_data(sock, hello, addr)
+        except ClosedBeforeHello:
+            log.debug("%s connected and closed (a probe)", addr)
+            sock.close()
         except (OSError, RedsockError) as e:
             self.rejected += 1
             why = e if isinstance(e, RedsockError) else translate_oserror(e, addr, "handshake")

@@ -19,6 +19,11 @@ from .. import wire
 from ..errors import AuthError, ProtocolError
 
 
+class ClosedBeforeHello(ProtocolError):
+    """The connecting side closed without sending a byte: a liveness probe or a port check
+    (a rank waiting for a peer, a load balancer), not a failed handshake."""
+
+
 def _read(sock: socket.socket, n: int, what: str) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -26,6 +31,8 @@ def _read(sock: socket.socket, n: int, what: str) -> bytes:
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
+            if got == 0 and what == "hello":
+                raise ClosedBeforeHello("connection closed before its hello")
             raise ProtocolError(f"connection closed during the handshake (reading {what}, {got}/{n} bytes)")
         got += k
     return bytes(buf)

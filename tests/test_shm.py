@@ -1,11 +1,15 @@
 """Several ranks on one host: topology, the shared-memory transport and the collectives over it."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
-from redsock.bootstrap import Topology, host_identity
+from redsock.bootstrap import FileStore, Topology, host_identity
+from redsock.errors import PeerFailure
+from redsock.transport.shm import LocalGroup
 from test_collectives import digests, run_world
 
 
@@ -80,6 +84,26 @@ def test_killed_local_rank_makes_the_others_raise_peer_failure(count):
         assert code == 0, f"rank {r}:\n{err[-3000:]}"
         assert f"ranks=[{world - 1}]" in out, f"rank {r} did not name the dead rank: {out}"
         assert float(out.split(" after ")[1].split("s")[0]) < 5, out
+    assert _arenas() <= before
+
+
+@pytest.mark.parametrize("me", [0, 1])
+def test_local_rank_that_dies_before_attaching_is_named_at_once(tmp_path, me):
+    """Local rank 0 waits for the others to attach, and they wait for its arena's name: a
+    peer that exits first is named within a second, not at the store's timeout (60 s here),
+    and the arena it would have used is gone."""
+    before = _arenas()
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])  # never attaches
+    pids = (os.getpid(), peer.pid) if me == 0 else (peer.pid, os.getpid())
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(PeerFailure, match="died .* before the ranks of this host attached") as e:
+            LocalGroup(FileStore(tmp_path, timeout_s=60), "shm/0", (10, 11), me, pids,
+                       region_bytes=4096, timeout_s=60, spin_us=0)
+    finally:
+        peer.wait()
+    assert e.value.ranks == (11 - me,)
+    assert time.monotonic() - t0 < 5
     assert _arenas() <= before
 
 

@@ -57,6 +57,8 @@ _NOTE_MAX = HEADER_BYTES - _NOTE_OFFSET
 _VIEWS_KEPT = 64
 #: Longest futex sleep before a waiter looks at its peers' pidfds again.
 DEATH_CHECK_S = 0.05
+#: How often a rank waiting for its local peers to attach looks at the store again.
+ATTACH_POLL_S = 0.02
 
 # x86-64 only: the counters rely on its total store order (data stores land before the counter's).
 _SYS_FUTEX = {"x86_64": 202}.get(platform.machine())
@@ -104,19 +106,10 @@ class LocalGroup:
         self._half = 0
         self._closed = False
         nbytes = HEADER_BYTES + DATA_SKEW + 2 * self.size * self.region_bytes
-        self._mm, path = self._map(store, key, nbytes)
-        self._words = memoryview(self._mm)[:HEADER_BYTES].cast("Q")
-        self._bytes = np.frombuffer(self._mm, np.uint8)
-        base = self._bytes.ctypes.data
-        self._step_addr = [base + lr * _LINE_WORDS * 8 for lr in range(self.size)]
-        self._fence = threading.Lock()
-        # Every rank's counter, signatures and sleep word, as strided views (read in C, not a Python loop).
-        self._steps = self._words[0:self.size * _LINE_WORDS:_LINE_WORDS]
-        self._signatures = [self._words[w:self.size * _LINE_WORDS:_LINE_WORDS] for w in (1, 2)]
-        self._sleeps = self._words[_SLEEP:self.size * _LINE_WORDS:_LINE_WORDS]
         self._views: dict[tuple[int, np.dtype, int], np.ndarray] = {}  # rows() of recent calls
         self._pidfds: dict[int, int] = {}
         try:
+            # The peers' pidfds first: waiting for them to attach, a rank that died is named at once.
             self._poll = select.poll()
             for lr, pid in enumerate(pids):
                 if lr != self.me:
@@ -127,7 +120,17 @@ class LocalGroup:
                                           ranks=(ranks[lr],)) from None
                     self._pidfds[fd] = lr
                     self._poll.register(fd, select.POLLIN)
-            self.sync()  # every rank has its pidfds before anyone relies on them
+            self._mm, path = self._map(store, key, nbytes)
+            self._words = memoryview(self._mm)[:HEADER_BYTES].cast("Q")
+            self._bytes = np.frombuffer(self._mm, np.uint8)
+            base = self._bytes.ctypes.data
+            self._step_addr = [base + lr * _LINE_WORDS * 8 for lr in range(self.size)]
+            self._fence = threading.Lock()
+            # Every rank's counter, signatures and sleep word, as strided views (read in C, not a Python loop).
+            self._steps = self._words[0:self.size * _LINE_WORDS:_LINE_WORDS]
+            self._signatures = [self._words[w:self.size * _LINE_WORDS:_LINE_WORDS] for w in (1, 2)]
+            self._sleeps = self._words[_SLEEP:self.size * _LINE_WORDS:_LINE_WORDS]
+            self.sync()  # every rank has mapped the arena (and its pidfds) before anyone relies on it
         except BaseException:
             self.close()
             raise
@@ -143,12 +146,12 @@ class LocalGroup:
                     mm = mmap.mmap(fd, nbytes)
                     store.set(key, path)
                     for lr in range(1, self.size):
-                        store.get(f"{key}/attached/{lr}")
+                        self._store_get(store, f"{key}/attached/{lr}")
                 finally:
                     os.close(fd)
                     os.unlink(path)
                 return mm, path
-            value = store.get(key)
+            value = self._store_get(store, key)
             path = value.decode() if isinstance(value, bytes) else str(value)
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
             try:
@@ -160,9 +163,25 @@ class LocalGroup:
         except OSError as e:
             raise TransportError(f"rank {self.ranks[self.me]}: shared memory of size {nbytes}: {e.strerror or e} "
                                  f"(set REDSOCK_SHM=off to go without)", op="shared-memory attach") from e
+        except PeerFailure:
+            raise
         except Exception as e:  # the store timed out: a local peer never came
             raise PeerFailure(f"rank {self.ranks[self.me]}: a rank of this host never attached the shared "
                               f"memory: {e}", ranks=()) from e
+
+    def _store_get(self, store: Any, key: str) -> Any:
+        """``store.get(key)`` once a local peer has set it, watching the peers' pidfds meanwhile:
+        one that dies before it attaches is named at once, not at the store's timeout."""
+        check = getattr(store, "check", None)
+        deadline = time.monotonic() + self.timeout_s
+        while check is not None and not check([key]):
+            for fd, _ in self._poll.poll(int(ATTACH_POLL_S * 1000)):
+                dead = self.ranks[self._pidfds[fd]]
+                raise PeerFailure(f"rank {self.ranks[self.me]}: rank {dead} died (its process exited) before "
+                                  f"the ranks of this host attached the shared memory", ranks=(dead,))
+            if time.monotonic() >= deadline:
+                raise Timeout(f"store key {key!r} not set within {self.timeout_s:g}s", op="shared-memory attach")
+        return store.get(key)
 
     # -- data --------------------------------------------------------------------------
 

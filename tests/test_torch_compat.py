@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,12 @@ def run_suite(tmp_path: Path, names: list[str], world: int, gate: str | None = N
            "--only", *names]
     if gate:
         cmd += ["--gate", gate]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTORCH_PRINT_REPRO_ON_FAILURE": "0"})
+    with tempfile.TemporaryDirectory(prefix="rsc-") as tmp:  # (short: forkserver's socket goes in it)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                              env={**os.environ, "PYTORCH_PRINT_REPRO_ON_FAILURE": "0", "TMPDIR": tmp})
+        left = [f for f in os.listdir(tmp) if not f.startswith("torchinductor_")]  # (torch's cache, kept)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-6000:]
+    assert not left, f"the run left temporary files behind: {left}"
     return json.loads(out.read_text())["tests"]
 
 

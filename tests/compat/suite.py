@@ -118,6 +118,13 @@ def _make_test_class():
                 self._start_processes(_forkserver_process)
             torch.backends.cudnn.flags(enabled=True, allow_tf32=False).__enter__()
 
+        def tearDown(self):
+            super().tearDown()
+            try:  # the test's store file: the suite's TestDistBackend leaves it (delete=False)
+                os.remove(self.file_name)
+            except OSError:
+                pass
+
     # spawn pickles the class by name: it must be this module's global of that name
     TestDistBackendWithSpawn.__qualname__ = "TestDistBackendWithSpawn"
     TestDistBackendWithSpawn.__module__ = __name__

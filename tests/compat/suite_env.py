@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -18,6 +20,7 @@ def prepare_environment(backend: str, world_size: int, *, gate: str | None = Non
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"] = str(test_timeout)
     tmp = tempfile.mkdtemp(prefix="redsock-compat-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     os.environ["TEMP_DIR"] = tmp
     os.environ["INIT_METHOD"] = f"file://{tmp}/init"  # the suite uses its own per-test file (not env://)
     Path(tmp, "barrier").mkdir(exist_ok=True)

@@ -209,7 +209,8 @@ def test_container_command_lines_run_locally(tmp_path: Path) -> None:
         assert cmd[0] == "torchrun" and cmd[-1] == "/workspace/train.py"
         # One node of 2 ranks, standalone rendezvous (a free port) instead of rank 0's pod.
         run_argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-                    "--nproc-per-node=2", str(ROOT / "tests" / "deploy_job.py")]
+                    "--nproc-per-node=2", f"--log-dir={tmp_path / 'torchrun'}",  # (else a dir in /tmp per run)
+                    str(ROOT / "tests" / "deploy_job.py")]
         done = subprocess.run(run_argv, env={**os.environ, **env}, capture_output=True, text=True,
                               timeout=240, stdin=subprocess.DEVNULL)
         assert done.returncode == 0, done.stdout + done.stderr

@@ -53,6 +53,7 @@ def run_elastic(tmp_path: Path, env: dict[str, str] | None = None) -> tuple[str,
     final = tmp_path / "final.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", str(WORLD), "--max-restarts", "2", "--monitor-interval", "0.1",
+           "--log-dir", str(tmp_path / "torchrun"),  # (else torchrun leaves a directory in /tmp per run)
            str(EXAMPLE), "--backend", "redsock", "--checkpoint", str(tmp_path), "--steps", str(STEPS),
            "--batch-size", str(BATCH), "--kill-rank", "1", "--kill-at-step", str(KILL_AT),
            "--save-params", str(final)]

@@ -105,7 +105,7 @@ class Config:
         check(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
         check(self.max_message_bytes > 0, "max_message_bytes must be > 0")
         check(self.algo in ALGOS, f"algo must be one of {ALGOS}, got {self.algo!r}")
-        check(self.piece_bytes >= SMALLEST_PIECE_BYTES, f"piece_bytes must be >= 4 KiB, got {self.piece_bytes}")
+        check(self.piece_bytes >= SMALLEST_PIECE_BYTES, f"piece_bytes must be >= {SMALLEST_PIECE_BYTES // KiB} KiB, got {self.piece_bytes}")
         check(self.shm in SWITCHES, f"shm must be one of {SWITCHES}, got {self.shm!r}")
         check(self.hierarchy in SWITCHES, f"hierarchy must be one of {SWITCHES}, got {self.hierarchy!r}")
         check(self.server_fallback in FALLBACKS, f"server_fallback must be one of {FALLBACKS}")

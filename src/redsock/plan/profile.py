@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import SMALLEST_PIECE_BYTES
+from ..config import SMALLEST_PIECE_BYTES, KiB
 from ..errors import ConfigError
 
 __all__ = ["DEFAULT", "Profile", "check_piece_bytes", "load_profile"]
@@ -102,7 +102,8 @@ def check_piece_bytes(value: int, origin: str) -> None:
     """A piece cap a user gives the planner: at least REDSOCK_PIECE_BYTES' floor, as no worker
     cuts smaller pieces (and the reducer search would try a count per smallest piece)."""
     if value < SMALLEST_PIECE_BYTES:
-        raise ConfigError(f"{origin}: piece_bytes must be >= {SMALLEST_PIECE_BYTES} (4 KiB), got {value}")
+        raise ConfigError(f"{origin}: piece_bytes must be >= {SMALLEST_PIECE_BYTES} "
+                          f"({SMALLEST_PIECE_BYTES // KiB} KiB), got {value}")
 
 
 def load_profile(path: str | Path | None) -> Profile:

@@ -175,13 +175,18 @@ class LocalGroup:
         check = getattr(store, "check", None)
         deadline = time.monotonic() + self.timeout_s
         while check is not None and not check([key]):
-            for fd, _ in self._poll.poll(int(ATTACH_POLL_S * 1000)):
-                dead = self.ranks[self._pidfds[fd]]
-                raise PeerFailure(f"rank {self.ranks[self.me]}: rank {dead} died (its process exited) before "
-                                  f"the ranks of this host attached the shared memory", ranks=(dead,))
+            self._raise_if_a_peer_died(ATTACH_POLL_S, "before the ranks of this host attached the shared memory")
             if time.monotonic() >= deadline:
                 raise Timeout(f"store key {key!r} not set within {self.timeout_s:g}s", op="shared-memory attach")
         return store.get(key)
+
+    def _raise_if_a_peer_died(self, wait_s: float, when: str) -> None:
+        """Raise :class:`PeerFailure` naming a local peer whose process has exited (its pidfd
+        is readable), waiting up to ``wait_s`` for one."""
+        for fd, _ in self._poll.poll(int(wait_s * 1000)):
+            dead = self.ranks[self._pidfds[fd]]
+            raise PeerFailure(f"rank {self.ranks[self.me]}: rank {dead} died (its process exited) {when}",
+                              ranks=(dead,))
 
     # -- data --------------------------------------------------------------------------
 
@@ -250,10 +255,7 @@ class LocalGroup:
             missing = self._missing(step)
             if not missing:
                 return
-            for fd, _ in self._poll.poll(0):  # a dead peer never arrives: say who
-                dead = self.ranks[self._pidfds[fd]]
-                raise PeerFailure(f"rank {dead} died (its process exited) during a shared-memory "
-                                  f"collective", ranks=(dead,))
+            self._raise_if_a_peer_died(0, "during a shared-memory collective")  # it never arrives: say who
             left = deadline - time.monotonic()
             if left <= 0:
                 names = [self.ranks[lr] for lr in missing]

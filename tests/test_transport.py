@@ -179,6 +179,58 @@ def test_dynamic_balancing_spreads_slices(make_pair):
     assert all(n > 0 for n in client.slices_sent)
 
 
+def test_a_caller_writes_a_slice_itself_when_the_stream_is_idle(make_pair):
+    """A single-stream connection (no TCP_NOTSENT_LOWAT): a message of one slice goes out
+    from the caller's thread when the socket has room; the stream's thread is not involved."""
+    client, server = make_pair(nsocks=1, chunk_bytes=512 * 1024)
+    for i in range(8):
+        data = pattern(256 * 1024, i)
+        assert np.array_equal(roundtrip(client, server, data, tag=i), data)
+    assert client.slices_sent == [8]
+    assert client.direct_slices == 8  # the receiver keeps up: every socket had room
+    multi, _ = make_pair(nsocks=2, notsent_lowat=32 * 1024)  # the kernel takes only the low-water mark
+    data = pattern(256 * 1024, 9)
+    assert np.array_equal(roundtrip(multi, _, data), data)
+    assert multi.direct_slices == 0
+
+
+@pytest.mark.parametrize("posted", [True, False])
+def test_what_the_kernel_cannot_take_from_a_caller_the_stream_thread_finishes(make_pair, posted):
+    """Small socket buffers: the caller's non-blocking write of a 1 MiB slice goes out in part,
+    and the stream's thread writes the rest, in order with the messages queued behind it."""
+    client, server = make_pair(nsocks=1, chunk_bytes=1 << 20)
+    client._data[0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 * 1024)
+    server._data[0].setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+    msgs = [pattern(n, i) for i, n in enumerate([1 << 20, 300_000, 1 << 20, 70_000, 3 << 20])]
+    outs = [np.empty_like(m) for m in msgs]
+    recvs = [server.irecv(o, 5) for o in outs] if posted else []
+    sends = [client.isend(m, 5) for m in msgs]
+    recvs = recvs or [server.irecv(o, 5) for o in outs]
+    for h in sends + recvs:
+        h.wait(20)
+    for m, o in zip(msgs, outs):
+        assert np.array_equal(o, m)
+    assert sum(client.slices_sent) == 7 and client.direct_slices < 7
+    assert client.probe(5.0)  # the stream is free again for the liveness probe
+
+
+def test_closing_while_the_stream_thread_finishes_a_callers_slice_settles_the_send(make_pair):
+    client, server = make_pair(nsocks=1, chunk_bytes=1 << 20)
+    client._data[0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    server._data[0].setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sends = [client.isend(pattern(1 << 20, i), 1) for i in range(4)]
+    assert client.direct_slices == 0  # the first went out in part: its thread has the rest
+    start = time.monotonic()
+    client.close()
+    for h in sends:  # each one either went out before the close or failed: none is left hanging
+        try:
+            h.wait(5)
+        except TransportError:
+            pass
+        assert h.done
+    assert time.monotonic() - start < 5
+
+
 def test_zerocopy_sends_complete_after_release(make_pair):
     client, server = make_pair(zerocopy_min_bytes=64 * 1024, chunk_bytes=256 * 1024)
     for i, n in enumerate([100, 1 << 20, 17 << 20]):

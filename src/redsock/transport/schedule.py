@@ -69,6 +69,10 @@ class DynamicSchedule:
             self._jobs.popleft()
         return Slice(job, off, n)
 
+    def has_work(self, stream: int | None = None) -> bool:
+        """Whether ``stream`` (None: any stream) has a slice to take."""
+        return bool(self._jobs)
+
     def slice_bytes(self, total: int) -> int:
         """``chunk``, or smaller so that every stream gets SLICES_PER_STREAM slices of the
         message (>= MIN_SLICE): a stream that falls behind then only delays a small slice
@@ -116,6 +120,9 @@ class StaticSchedule:
         if piece.cursor >= piece.end:
             q.popleft()
         return Slice(piece.job, off, n)
+
+    def has_work(self, stream: int | None = None) -> bool:
+        return any(self._queues) if stream is None else bool(self._queues[stream])
 
     def drain(self) -> list[SendJob]:
         jobs = {id(p.job): p.job for q in self._queues for p in q}

@@ -795,32 +795,30 @@ class Connection:
         if rest is not None:  # the stream is already ours: the caller that began it left it busy
             self._stream_rest[idx] = None
             return rest
-        if self._stream_busy[idx]:
-            return None
-        item = self._schedule.next_slice(idx)
-        if item is None:
-            return None
-        self._take_stream(idx, item)
-        return item.job, item.length, _slice_parts(item)
+        item = self._take_stream(idx)
+        return None if item is None else (item.job, item.length, _slice_parts(item))
 
     def _claim_idle_stream(self) -> tuple[int, Slice] | None:
         """Under the lock: an idle stream and its next slice, for the caller to write itself."""
-        if not self._direct_writes:
-            return None
-        for idx, busy in enumerate(self._stream_busy):
-            if not busy:
-                item = self._schedule.next_slice(idx)
+        if self._direct_writes:
+            for idx in range(self.nstreams):
+                item = self._take_stream(idx)
                 if item is not None:
-                    self._take_stream(idx, item)
                     return idx, item
         return None
 
-    def _take_stream(self, idx: int, item: Slice) -> None:
-        """Under the lock: stream ``idx`` is now busy writing ``item``."""
-        self._stream_busy[idx] = True
-        item.job.writing += 1
-        self.slices_sent[idx] += 1
-        self.bytes_sent[idx] += item.length
+    def _take_stream(self, idx: int) -> Slice | None:
+        """Under the lock: if stream ``idx`` is idle and has a slice to send, make it busy
+        writing that slice and return it."""
+        if self._stream_busy[idx]:
+            return None
+        item = self._schedule.next_slice(idx)
+        if item is not None:
+            self._stream_busy[idx] = True
+            item.job.writing += 1
+            self.slices_sent[idx] += 1
+            self.bytes_sent[idx] += item.length
+        return item
 
     def _write_direct(self, idx: int, item: Slice) -> None:
         """Write a slice from the caller's thread without blocking, so that a stream with room

@@ -119,3 +119,17 @@ def test_slice_record_layout_and_bounds():
         wire.decode_slice(b, max_message=99)
     with pytest.raises(ProtocolError, match="expected a slice"):
         wire.decode_slice(b"\x01" + b[1:], 100)
+
+
+def test_announce_round_trips_and_unknown_flag_bits_are_refused():
+    from redsock import ops
+
+    def decode(b):
+        return wire.decode_announce(b, max_elements=1 << 30, valid_dtype=ops.dtype_from_code,
+                                    valid_op=ops.ReduceOp.from_code)
+
+    ann = wire.Announce(job=7, op_seq=3, dtype_code=1, op_code=1, world=4, rank=1, flags=wire.FLAG_DETERMINISTIC,
+                        count=1000, piece_elems=64, nservers=3, server_index=2)
+    assert decode(ann.encode()) == ann
+    with pytest.raises(ProtocolError, match="unknown bits 0x4"):
+        decode(ann._replace(flags=4 | wire.FLAG_DETERMINISTIC).encode())

@@ -306,6 +306,7 @@ MAX_WORLD = 1 << 14
 _ANNOUNCE = struct.Struct("<4sQQBBHHHQQHH")
 ANNOUNCE_SIZE = _ANNOUNCE.size
 FLAG_DETERMINISTIC = 1
+KNOWN_FLAGS = FLAG_DETERMINISTIC
 
 
 class Announce(NamedTuple):
@@ -360,6 +361,8 @@ def decode_announce(data: bytes | memoryview, *, max_elements: int, valid_dtype,
         raise ProtocolError(f"{count} elements in pieces of {piece} is out of range")
     if not 1 <= nservers <= 4096 or index >= nservers:
         raise ProtocolError(f"server index {index} of {nservers}")
+    if flags & ~KNOWN_FLAGS:  # a newer worker's option this reducer would silently ignore
+        raise ProtocolError(f"announce flags {flags:#x}: unknown bits {flags & ~KNOWN_FLAGS:#x}")
     if op_seq >= (1 << (64 - PIECE_BITS)) - 1:
         raise ProtocolError(f"operation number {op_seq} out of range")
     return Announce(job, op_seq, dt, op, world, rank, flags, count, piece, nservers, index)

@@ -171,3 +171,19 @@ def test_a_piece_beyond_its_announce_cuts_the_connection():
         finally:
             c.close()
         assert server.stats()["rounds"] == 0
+
+
+def test_a_worker_that_breaks_the_protocol_is_told_why():
+    """A piece of the wrong size: the reducer cuts the connection, and the worker's error
+    carries the reducer's reason, not just "peer closed the connection"."""
+    cfg = Config(timeout_s=10, token=TOKEN)
+    with ReductionServer("127.0.0.1", 0, config=cfg) as server:
+        c = connect(server.address, config=cfg, name="sloppy")
+        try:
+            _announce(c, job=444, rank=0)  # 4 float32 in one piece, world 2
+            c.send(np.ones(8, np.float32), wire.piece_tag(0, 0), timeout=5)
+            with pytest.raises(RedsockError, match="refused what it was sent.*32 bytes, expected 16"):
+                c.recv(np.empty(4, np.float32), wire.piece_tag(0, 0), timeout=5)
+        finally:
+            c.close()
+        assert server.stats()["rounds"] == 0

@@ -491,6 +491,8 @@ class Loop:
             except (OSError, ValueError):
                 pass
         if err is not None:
+            if isinstance(err, ProtocolError):  # the worker broke the protocol: tell it how before cutting it off
+                link.abort(f"the reduction server refused what it was sent: {err}")
             try:
                 link.handler.on_lost(link, link.error or err)
             except Exception:  # a bug in the handler must not take the loop down

@@ -4,7 +4,7 @@ import struct
 
 import pytest
 
-from redsock import wire
+from redsock import ops, wire
 from redsock.errors import AuthError, ProtocolError
 
 
@@ -122,8 +122,6 @@ def test_slice_record_layout_and_bounds():
 
 
 def test_announce_round_trips_and_unknown_flag_bits_are_refused():
-    from redsock import ops
-
     def decode(b):
         return wire.decode_announce(b, max_elements=1 << 30, valid_dtype=ops.dtype_from_code,
                                     valid_op=ops.ReduceOp.from_code)

@@ -61,8 +61,8 @@ def test_testbed_floor_runs_the_pattern_and_gloo_and_cleans_up(tmp_path):
     from redsock.testbed import list_prefix_netns
 
     out, prefix = tmp_path / "tb.json", f"rsflt{os.getpid() % 10000}"
-    r = floor("--testbed", "--nprocs", "2", "--servers", "2", "--rate", "1gbit", "--sizes", "2M", "--iters", "2",
-              "--warmup", "1", "--prefix", prefix, "--json", str(out))
+    r = floor("--testbed", "--mode", "ring", "--nprocs", "2", "--servers", "2", "--rate", "1gbit", "--sizes", "2M",
+              "--iters", "2", "--warmup", "1", "--prefix", prefix, "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row["size"] == 2 << 20 and row["workers"] == 2 and row["servers"] == 2
@@ -70,6 +70,41 @@ def test_testbed_floor_runs_the_pattern_and_gloo_and_cleans_up(tmp_path):
     # bytes per worker cannot cross a 1 Gbit/s link faster than the link
     assert row["floor_s"] >= (2 << 20) / (1e9 / 8)
     assert list_prefix_netns(prefix) == []
+
+
+@needs_root
+def test_testbed_fanin_puts_the_floor_next_to_the_reducers_and_gloo_on_the_same_hosts(tmp_path):
+    from redsock.testbed import list_prefix_netns
+
+    out, prefix = tmp_path / "fi.json", f"rsfit{os.getpid() % 10000}"
+    r = floor("--testbed", "--mode", "fanin", "--workers", "2,3", "--servers", "1", "--iters", "1", "--warmup", "1",
+              "--prefix", prefix, "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(row["mode"], row["workers"], row["servers"]) for row in rows] == [("testbed-fanin", 2, 1),
+                                                                               ("testbed-fanin", 3, 1)]
+    for row in rows:
+        assert row["floor_us"] == min(row["floor_runs_us"]) > 0 and row["server_us"] > 0 and row["gloo_us"] > 0
+        assert row["server_x_floor"] == pytest.approx(row["server_us"] / row["floor_us"])
+        assert row["server_x_gloo"] == pytest.approx(row["server_us"] / row["gloo_us"])
+        assert all(0 <= row[k] <= 1 for k in ("floor_busy", "server_busy", "gloo_busy"))
+    assert "from 2 to 3 workers: floor x" in r.stdout
+    assert list_prefix_netns(prefix + "2") == [] and list_prefix_netns(prefix + "3") == []
+
+
+def test_fanin_reducer_refuses_a_rank_out_of_range():
+    import socket
+    import struct
+
+    from redsock.bench.floor import fanin_accept
+    from redsock.errors import PeerFailure
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(10)
+    with srv, socket.create_connection(srv.getsockname()) as c:
+        c.sendall(struct.pack("<i", 2))
+        with pytest.raises(PeerFailure, match="rank 2 \\(of 2"):
+            fanin_accept(srv, 2)
 
 
 def test_run_threads_waits_for_all_and_reraises_the_first_error():

@@ -184,10 +184,8 @@ def run_ring(world: int, sizes: list[int], warmup: int, iters: int) -> list[dict
 
 # -------------------------------------------------------------------- fan-in
 
-def _reducer(nworkers: int, rounds: int, port_out, out) -> None:
-    srv, port = _listener()
-    for _ in range(nworkers):
-        port_out.put(port)
+def fanin_accept(srv: socket.socket, nworkers: int) -> list[socket.socket]:
+    """The fan-in reducer's connections, in rank order (each worker says its rank first)."""
     conns: list[socket.socket | None] = [None] * nworkers
     try:
         for _ in range(nworkers):
@@ -195,23 +193,65 @@ def _reducer(nworkers: int, rounds: int, port_out, out) -> None:
             c.settimeout(_IO_TIMEOUT_S)
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             hello = bytearray(4)
-            _recv_exact(c, memoryview(hello))
-            conns[struct.unpack("<i", hello)[0]] = c
-        buf = bytearray(8)
-        for _ in range(rounds):
-            total = 0
-            for c in conns:
-                _recv_exact(c, memoryview(buf))
-                total += struct.unpack("<q", buf)[0]
-            reply = struct.pack("<q", total)
-            for c in conns:
-                c.sendall(reply)
-        out.put(("reducer", rounds))
-    finally:
-        srv.close()
+            try:
+                _recv_exact(c, memoryview(hello))
+            except BaseException:
+                c.close()
+                raise
+            rank = struct.unpack("<i", hello)[0]
+            if not 0 <= rank < nworkers or conns[rank] is not None:
+                c.close()
+                raise PeerFailure(f"floor: a worker said it is rank {rank} (of {nworkers}, or twice)")
+            conns[rank] = c
+    except BaseException:
         for c in conns:
             if c is not None:
                 c.close()
+        raise
+    return conns  # type: ignore[return-value]
+
+
+def fanin_serve(conns: list[socket.socket], rounds: int) -> None:
+    """Per round: one 8-byte integer from every worker, their sum back to each."""
+    buf = bytearray(8)
+    for _ in range(rounds):
+        total = 0
+        for c in conns:
+            _recv_exact(c, memoryview(buf))
+            total += struct.unpack("<q", buf)[0]
+        reply = struct.pack("<q", total)
+        for c in conns:
+            c.sendall(reply)
+
+
+def fanin_join(sock: socket.socket, rank: int) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.sendall(struct.pack("<i", rank))
+
+
+def fanin_call(sock: socket.socket, rank: int, nworkers: int, it: int, buf: bytearray) -> None:
+    """Round ``it`` of the fan-in, checked: send rank + it, expect the sum over all ranks."""
+    sock.sendall(struct.pack("<q", rank + it))
+    _recv_exact(sock, memoryview(buf))
+    got, want = struct.unpack("<q", buf)[0], nworkers * it + nworkers * (nworkers - 1) // 2
+    if got != want:
+        raise PeerFailure(f"floor: worker {rank} got sum {got} in round {it}, expected {want}")
+
+
+def _reducer(nworkers: int, rounds: int, port_out, out) -> None:
+    srv, port = _listener()
+    for _ in range(nworkers):
+        port_out.put(port)
+    try:
+        conns = fanin_accept(srv, nworkers)
+    finally:
+        srv.close()
+    try:
+        fanin_serve(conns, rounds)
+        out.put(("reducer", rounds))
+    finally:
+        for c in conns:
+            c.close()
 
 
 def _fanin_worker(rank: int, nworkers: int, warmup: int, iters: int, port_in, gloo_port: int, out) -> None:
@@ -220,19 +260,15 @@ def _fanin_worker(rank: int, nworkers: int, warmup: int, iters: int, port_in, gl
     sock = _connect(port_in.get())
     dist = None
     try:
-        sock.sendall(struct.pack("<i", rank))
+        fanin_join(sock, rank)
         dist = _gloo(rank, nworkers, gloo_port)
         buf = bytearray(8)
         times, gloo_times = [], []
         tensor = torch.zeros(2, dtype=torch.float32)  # 8 bytes
         for it in range(warmup + iters):
             t0 = time.perf_counter()
-            sock.sendall(struct.pack("<q", rank + it))
-            _recv_exact(sock, memoryview(buf))
+            fanin_call(sock, rank, nworkers, it, buf)
             dt = time.perf_counter() - t0
-            want = nworkers * it + nworkers * (nworkers - 1) // 2
-            if struct.unpack("<q", buf)[0] != want:
-                raise PeerFailure(f"floor: worker {rank} got sum {struct.unpack('<q', buf)[0]}, expected {want}")
             if it >= warmup:
                 times.append(dt)
         for it in range(warmup + iters):
@@ -297,7 +333,10 @@ def _run_all(procs, out, n: int, timeout_s: float = 600.0) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=["ring", "fanin", "both"], default="both")
+    p.add_argument("--mode", choices=["ring", "fanin", "both"], default="both",
+                   help="ring: bulk traffic (with --testbed: the reducers' bulk traffic); fanin: 8-byte fan-in to "
+                        "one reducer (with --testbed: next to redsock's reducers and gloo on the same hosts); "
+                        "both (default)")
     p.add_argument("--nprocs", type=int, default=4, help="ring: local ranks (default 4)")
     p.add_argument("--sizes", default="1M,64M", help="ring: message sizes (default 1M,64M)")
     p.add_argument("--workers", default="2,4,8", help="fanin: worker counts (default 2,4,8)")
@@ -306,12 +345,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the results as a JSON list")
     g = p.add_argument_group("emulated cluster (root)")
     g.add_argument("--testbed", action="store_true",
-                   help="instead: the reduction servers' traffic with plain sockets, --nprocs worker hosts and "
-                        "--servers reducer hosts on shaped links, then gloo on the same testbed")
-    g.add_argument("--servers", type=int, help="with --testbed: reducer hosts (default: as many as --nprocs)")
+                   help="instead: the reduction servers' traffic with plain sockets on shaped links, then gloo on "
+                        "the same testbed: bulk (--nprocs worker hosts, --servers reducer hosts) and fan-in (per "
+                        "--workers count N, N worker hosts and --servers reducer hosts, default N)")
+    g.add_argument("--servers", type=int, help="with --testbed: reducer hosts (default: as many as the worker hosts)")
     g.add_argument("--rate", default="1gbit", help="with --testbed: link rate each way (default 1gbit)")
     g.add_argument("--tcp-cc", metavar="NAME", default="reno", help="with --testbed: TCP congestion control")
-    g.add_argument("--prefix", help="with --testbed: namespace prefix (default rsfl<pid>)")
+    g.add_argument("--prefix", help="with --testbed: namespace prefix (default rsfl<pid>; the fan-in adds N to it)")
     g.add_argument("--timeout", type=float, default=600, help="with --testbed: per run, seconds (default 600)")
 
 
@@ -326,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
     if args.testbed:
         from . import floor_testbed
 
-        return floor_testbed.run(args, sizes)
+        return floor_testbed.run(args, sizes, workers)
     results: list[dict] = []
     if args.mode in ("ring", "both"):
         print(f"# ring floor: {args.nprocs} ranks on loopback stream 2(N-1)/N x size each way with plain "

@@ -10,9 +10,20 @@ does at 4+4 hosts on 1 Gbit/s).  gloo's all-reduce of S bytes then runs on the
 same testbed, and the machine's CPU load during the floor says whether the
 pattern itself is CPU-bound here.
 
+With ``--mode fanin`` (``both`` runs both) it is the reducers' small-message
+pattern instead, for each worker count N of ``--workers`` on a testbed of N
+worker hosts and ``--servers`` (default N) reducer hosts, the shape of the
+reducers' own runs: every worker sends 8 bytes to one plain-socket reducer
+process on s0, which sends the (checked) sum back to each.  redsock's ``server``
+all-reduce of 8 bytes and gloo's then run on the same hosts, and the floor once
+more after them; every figure is per call of back-to-back calls, slowest rank,
+as ``bench allreduce --back-to-back`` times them.  So the reducers are compared
+with plain sockets on the same veths, bridge and shapers, in one run: the
+loopback fan-in (``bench floor --mode fanin``) has none of those hops.
+
 The worker and reducer processes are this module run as a script
-(``python -m redsock.bench.floor_testbed reducer|worker ...``) inside the hosts'
-namespaces.
+(``python -m redsock.bench.floor_testbed reducer|worker|fanin-reducer|fanin-worker ...``)
+inside the hosts' namespaces.
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ConfigError, PeerFailure
@@ -34,10 +47,11 @@ from ..testbed import netns as nx
 from ..testbed.cluster import Testbed
 from ..testbed.netns import format_rate, parse_rate
 from . import report
-from .floor import run_threads
+from .allreduce import B2B_ROUNDS
+from .floor import fanin_accept, fanin_call, fanin_join, fanin_serve, run_threads
 from .procs import box_cpu
-from .testbed_launch import (GOODPUT_FACTOR, Proc, child_env, set_congestion_control, start_ranks, stop,
-                             tail, wait_ranks)
+from .testbed_launch import (GOODPUT_FACTOR, Proc, child_env, set_congestion_control, start_ranks, start_servers,
+                             stop, tail, wait_ranks)
 
 FLOOR_PORT = 7800
 _ACCEPT_S = 120.0
@@ -130,33 +144,94 @@ def worker_main(servers: list[str], nbytes: int, iters: int, warmup: int, out: s
             c.close()
 
 
+def fanin_reducer_main(host: str, port: int, workers: int, rounds: int) -> None:
+    """Sum one 8-byte integer from every worker per round, send the sum back to each."""
+    srv = socket.create_server((host, port))
+    srv.settimeout(_ACCEPT_S)
+    print("ready", flush=True)
+    try:
+        conns = fanin_accept(srv, workers)
+    finally:
+        srv.close()
+    try:
+        fanin_serve(conns, rounds)
+    finally:
+        for c in conns:
+            c.close()
+
+
+def fanin_worker_main(addr: str, rank: int, workers: int, warmup: int, calls: int, out: str) -> None:
+    """``warmup`` calls, then B2B_ROUNDS blocks of ``calls`` back-to-back calls: the time
+    per call of each block (the fan-in keeps the workers in step, round by round)."""
+    host, port = addr.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=_ACCEPT_S)
+    try:
+        sock.settimeout(_IO_S)
+        fanin_join(sock, rank)
+        buf = bytearray(8)
+        for it in range(warmup):
+            fanin_call(sock, rank, workers, it, buf)
+        it, per_call, cpu0 = warmup, [], box_cpu()
+        for _ in range(B2B_ROUNDS):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fanin_call(sock, rank, workers, it, buf)
+                it += 1
+            per_call.append((time.perf_counter() - t0) / calls)
+        cpu1 = box_cpu()
+        busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
+        Path(out).write_text(json.dumps({"per_call": per_call, "busy": busy}))
+    finally:
+        sock.close()
+
+
 # -- the command (run by ``redsock bench floor --testbed``) ---------------------------
 
-def run(args: argparse.Namespace, sizes: list[int]) -> int:
-    from .transport_testbed import _no_interrupts, _terminate_as_interrupt
-
-    workers, servers = args.nprocs, args.servers if args.servers is not None else args.nprocs
-    if servers < 1:
+def run(args: argparse.Namespace, sizes: list[int], counts: list[int]) -> int:
+    """``--mode ring`` (the reducers' bulk traffic), ``fanin`` (their small messages), or both."""
+    if args.servers is not None and args.servers < 1:
         raise ConfigError("--testbed needs --servers >= 1")
     rate = parse_rate(args.rate)
     nx.require_root("redsock bench floor --testbed")
-    prefix = args.prefix or f"rsfl{os.getpid()}"
-    tb = Testbed(workers=workers, servers=servers, rate=rate, prefix=prefix)
     results = []
+    if args.mode in ("ring", "both"):
+        results += _run_bulk(args, sizes, rate)
+    if args.mode in ("fanin", "both"):
+        results += _run_fanin(args, counts, rate)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+@contextmanager
+def _testbed(workers: int, servers: int, rate: int, prefix: str, tcp_cc: str
+             ) -> Iterator[tuple[Testbed, Path, list[Proc]]]:
+    """A testbed up, a log folder and a list for the processes started in it: all of them
+    stopped and the testbed torn down however the body ends (errors, Ctrl-C, SIGTERM)."""
+    from .transport_testbed import _no_interrupts, _terminate_as_interrupt
+
+    tb = Testbed(workers=workers, servers=servers, rate=rate, prefix=prefix)
+    procs: list[Proc] = []
     with tempfile.TemporaryDirectory(prefix="redsock-floor-tb-") as tmp, _terminate_as_interrupt():
-        logdir = Path(tmp)
-        procs: list[Proc] = []
         try:
+            tb.up()
             print(f"# testbed {prefix}: {workers} workers + {servers} reducers, links at {format_rate(rate)}; "
-                  f"TCP {set_congestion_control(tb.up(), args.tcp_cc)}", flush=True)
-            for size in sizes:
-                floor_s, busy = _floor(tb, size, args, logdir, procs)
-                gloo_s = _gloo(tb, size, args, logdir, procs)
-                results.append({**_row(size, workers, servers, rate, floor_s, gloo_s), "floor_cpu_busy": busy})
+                  f"TCP {set_congestion_control(tb, tcp_cc)}", flush=True)
+            yield tb, Path(tmp), procs
         finally:
             with _no_interrupts():
                 stop(procs)
                 tb.down()
+
+
+def _run_bulk(args: argparse.Namespace, sizes: list[int], rate: int) -> list[dict]:
+    workers, servers = args.nprocs, args.servers if args.servers is not None else args.nprocs
+    results = []
+    with _testbed(workers, servers, rate, args.prefix or f"rsfl{os.getpid()}", args.tcp_cc) as (tb, logdir, procs):
+        for size in sizes:
+            floor_s, busy = _floor(tb, size, args, logdir, procs)
+            gloo_s = _gloo(tb, size, args, logdir, procs)
+            results.append({**_row(size, workers, servers, rate, floor_s, gloo_s), "floor_cpu_busy": busy})
     print("# floor: plain sockets, each worker S/M bytes to and from each reducer; no sums, no waiting for other "
           "workers, no flow control; gloo: its all-reduce of S bytes on the same testbed")
     print("#     size  floor(us)  floor algbw  %good   cpu   gloo(us)  gloo algbw  floor/gloo  ideal   (algbw in "
@@ -165,9 +240,47 @@ def run(args: argparse.Namespace, sizes: list[int]) -> int:
         print(f"{report.human_size(r['size']):>10} {r['floor_s'] * 1e6:10.0f} {r['floor_algbw']:12.4f} "
               f"{100 * r['floor_good']:5.1f}% {100 * r['floor_cpu_busy']:4.0f}% {r['gloo_s'] * 1e6:10.0f} "
               f"{r['gloo_algbw']:11.4f} {r['max_x_gloo']:10.2f}x {r['ideal']:6.2f}x")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    return 0
+    return results
+
+
+def _run_fanin(args: argparse.Namespace, counts: list[int], rate: int) -> list[dict]:
+    base = args.prefix or f"rsfi{os.getpid() % 100000}"
+    warmup, calls = args.warmup * 50, args.iters * 100  # as the loopback fan-in counts them
+    results = []
+    for n in counts:
+        servers = args.servers if args.servers is not None else n
+        with _testbed(n, servers, rate, f"{base}{n}", args.tcp_cc) as (tb, logdir, procs):
+            first = _fanin_floor(tb, warmup, calls, args, logdir, procs, "a")
+            rows = _fanin_reducers(tb, warmup, calls, args, logdir, procs)
+            again = _fanin_floor(tb, warmup, calls, args, logdir, procs, "b")
+        floor = min(first, again, key=lambda f: f["s"])
+        server, gloo = rows["server"], rows["gloo"]
+        results.append({"mode": "testbed-fanin", "workers": n, "servers": servers, "rate_bps": rate,
+                        "floor_us": floor["s"] * 1e6, "floor_runs_us": [first["s"] * 1e6, again["s"] * 1e6],
+                        "server_us": server.median_s * 1e6, "gloo_us": gloo.median_s * 1e6,
+                        "server_x_floor": server.median_s / floor["s"], "server_x_gloo": server.median_s / gloo.median_s,
+                        "floor_busy": floor["busy"], "server_busy": server.extra.get("machine_busy"),
+                        "gloo_busy": gloo.extra.get("machine_busy")})
+    print(f"# fan-in on the testbed, links at {format_rate(rate)}: N worker hosts + M reducer hosts; floor: plain "
+          f"sockets, 8 bytes from every worker to one reducer process on s0, the checked sum back (run before and "
+          f"after redsock; the faster counts); reducers: redsock's 8-byte 'server' all-reduce; gloo: its all-reduce "
+          f"on the same hosts.  Per call of back-to-back calls, slowest rank; busy: the whole machine")
+    print("#  workers reducers  floor(us)  (before/after)  reducers(us)  gloo(us)  reducers/floor  reducers/gloo  "
+          "busy floor/reducers/gloo")
+    for r in results:
+        runs = "/".join(f"{v:.0f}" for v in r["floor_runs_us"])
+        print(f"{r['workers']:10d} {r['servers']:8d} {r['floor_us']:10.1f} {'(' + runs + ')':>15} "
+              f"{r['server_us']:13.1f} {r['gloo_us']:9.1f} {r['server_x_floor']:14.2f}x {r['server_x_gloo']:13.2f}x  "
+              f"{_pct(r['floor_busy'])}/{_pct(r['server_busy'])}/{_pct(r['gloo_busy'])}")
+    if len(results) > 1:
+        a, z = results[0], results[-1]
+        print(f"# from {a['workers']} to {z['workers']} workers: floor x{z['floor_us'] / a['floor_us']:.2f}, "
+              f"reducers x{z['server_us'] / a['server_us']:.2f}, gloo x{z['gloo_us'] / a['gloo_us']:.2f}")
+    return results
+
+
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.0f}%"
 
 
 def _row(size: int, workers: int, servers: int, rate: int, floor_s: float, gloo_s: float) -> dict:
@@ -223,6 +336,68 @@ def _floor(tb: Testbed, size: int, args: argparse.Namespace, logdir: Path,
     return floor_s, per_worker[0]["busy"]
 
 
+def _fanin_floor(tb: Testbed, warmup: int, calls: int, args: argparse.Namespace, logdir: Path,
+                 procs: list[Proc], tag: str) -> dict:
+    """The plain-socket fan-in through s0: time per call (slowest worker per block, median
+    of the blocks) and how busy the machine was."""
+    me = [sys.executable, "-m", "redsock.bench.floor_testbed"]
+    host = tb.server_names[0]
+    log = logdir / f"fanin-{tag}-{host}.log"
+    with log.open("w") as err:
+        p = tb.popen(host, [*me, "fanin-reducer", tb.host_addr(host), str(FLOOR_PORT), str(tb.workers),
+                            str(warmup + B2B_ROUNDS * calls)],
+                     stdout=subprocess.PIPE, stderr=err, text=True, env=child_env({}), start_new_session=True)
+    reducer = Proc(host, p, log)
+    procs.append(reducer)
+    if p.stdout is None or p.stdout.readline().strip() != "ready":
+        raise PeerFailure(f"fan-in reducer on {host} did not start: {tail(log)}")
+    outs, workers = [], []
+    for rank, name in enumerate(tb.worker_names):
+        out, wlog = logdir / f"fanin-{tag}-{name}.json", logdir / f"fanin-{tag}-{name}.log"
+        with wlog.open("w") as err:
+            w = tb.popen(name, [*me, "fanin-worker", f"{tb.host_addr(host)}:{FLOOR_PORT}", str(rank), str(tb.workers),
+                                str(warmup), str(calls), str(out)],
+                         stderr=err, env=child_env({}), start_new_session=True)
+        workers.append(Proc(name, w, wlog))
+        outs.append(out)
+    procs.extend(workers)
+    why = wait_ranks(workers, [], time.monotonic() + args.timeout, args.timeout)
+    try:
+        reducer.proc.wait(timeout=_EXIT_S)  # it exits once it has sent the last round
+    except subprocess.TimeoutExpired:
+        pass
+    stop([reducer])
+    bad = [q for q in workers + [reducer] if q.proc.returncode != 0]
+    if why or bad:
+        who = f"{bad[0].name} exited with {bad[0].proc.returncode}: {tail(bad[0].log)}" if bad else ""
+        raise PeerFailure(f"fan-in floor failed: {why or ''} {who}".strip())
+    per_worker = [json.loads(o.read_text()) for o in outs]
+    per_call = statistics.median(max(w["per_call"][k] for w in per_worker) for k in range(B2B_ROUNDS))
+    return {"s": per_call, "busy": per_worker[0]["busy"]}
+
+
+def _fanin_reducers(tb: Testbed, warmup: int, calls: int, args: argparse.Namespace, logdir: Path,
+                    procs: list[Proc]) -> dict[str, report.Row]:
+    """redsock's 8-byte all-reduce through a reduction server on every reducer host, and
+    gloo's, timed as the fan-in floor is: rank 0's rows by algorithm."""
+    out = logdir / "fanin-redsock.jsonl"
+    deadline = time.monotonic() + args.timeout
+    servers = start_servers(tb, logdir, deadline)
+    procs.extend(servers)
+    cmd = [sys.executable, "-m", "redsock", "bench", "allreduce", "-b", "8", "-e", "8", "--algo", "server,gloo",
+           "--back-to-back", "-n", str(calls), "-w", str(warmup), "--json", str(out), "--no-progress"]
+    ranks, relays = start_ranks(tb, cmd, logdir, tag="-fanin")
+    procs.extend(ranks)
+    why = wait_ranks(ranks, servers, deadline, args.timeout)
+    for t in relays:
+        t.join(timeout=5)
+    stop(servers)
+    rows = {r.algo: r for r in report.read_json(out)} if out.exists() else {}
+    if why or set(rows) != {"server", "gloo"}:
+        raise PeerFailure(f"reducers' fan-in run failed: {why or 'no result'} {tail(ranks[0].log)}".strip())
+    return rows
+
+
 def _gloo(tb: Testbed, size: int, args: argparse.Namespace, logdir: Path, procs: list[Proc]) -> float:
     out = logdir / f"gloo-{size}.jsonl"
     cmd = [sys.executable, "-m", "redsock", "bench", "allreduce", "-b", str(size), "-e", str(size), "--algo", "gloo",
@@ -246,6 +421,12 @@ def main(argv: list[str]) -> int:
     elif role == "worker":
         servers, nbytes, iters, warmup, out = rest
         worker_main(servers.split(","), int(nbytes), int(iters), int(warmup), out)
+    elif role == "fanin-reducer":
+        host, port, workers, rounds = rest
+        fanin_reducer_main(host, int(port), int(workers), int(rounds))
+    elif role == "fanin-worker":
+        addr, rank, workers, warmup, calls, out = rest
+        fanin_worker_main(addr, int(rank), int(workers), int(warmup), int(calls), out)
     else:
         raise SystemExit(f"unknown role {role!r}")
     return 0

@@ -187,26 +187,22 @@ def run_ring(world: int, sizes: list[int], warmup: int, iters: int) -> list[dict
 def fanin_accept(srv: socket.socket, nworkers: int) -> list[socket.socket]:
     """The fan-in reducer's connections, in rank order (each worker says its rank first)."""
     conns: list[socket.socket | None] = [None] * nworkers
+    accepted = []
     try:
         for _ in range(nworkers):
             c, _ = srv.accept()
+            accepted.append(c)
             c.settimeout(_IO_TIMEOUT_S)
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             hello = bytearray(4)
-            try:
-                _recv_exact(c, memoryview(hello))
-            except BaseException:
-                c.close()
-                raise
+            _recv_exact(c, memoryview(hello))
             rank = struct.unpack("<i", hello)[0]
             if not 0 <= rank < nworkers or conns[rank] is not None:
-                c.close()
                 raise PeerFailure(f"floor: a worker said it is rank {rank} (of {nworkers}, or twice)")
             conns[rank] = c
     except BaseException:
-        for c in conns:
-            if c is not None:
-                c.close()
+        for c in accepted:
+            c.close()
         raise
     return conns  # type: ignore[return-value]
 

@@ -207,17 +207,26 @@ def fanin_accept(srv: socket.socket, nworkers: int) -> list[socket.socket]:
     return conns  # type: ignore[return-value]
 
 
-def fanin_serve(conns: list[socket.socket], rounds: int) -> None:
-    """Per round: one 8-byte integer from every worker, their sum back to each."""
-    buf = bytearray(8)
-    for _ in range(rounds):
-        total = 0
+def fanin_reduce(srv: socket.socket, nworkers: int, rounds: int) -> None:
+    """The fan-in reducer: takes its workers' connections off ``srv`` (then closes it); per
+    round, one 8-byte integer from every worker and their sum back to each."""
+    try:
+        conns = fanin_accept(srv, nworkers)
+    finally:
+        srv.close()
+    try:
+        buf = bytearray(8)
+        for _ in range(rounds):
+            total = 0
+            for c in conns:
+                _recv_exact(c, memoryview(buf))
+                total += struct.unpack("<q", buf)[0]
+            reply = struct.pack("<q", total)
+            for c in conns:
+                c.sendall(reply)
+    finally:
         for c in conns:
-            _recv_exact(c, memoryview(buf))
-            total += struct.unpack("<q", buf)[0]
-        reply = struct.pack("<q", total)
-        for c in conns:
-            c.sendall(reply)
+            c.close()
 
 
 def fanin_join(sock: socket.socket, rank: int) -> None:
@@ -238,16 +247,8 @@ def _reducer(nworkers: int, rounds: int, port_out, out) -> None:
     srv, port = _listener()
     for _ in range(nworkers):
         port_out.put(port)
-    try:
-        conns = fanin_accept(srv, nworkers)
-    finally:
-        srv.close()
-    try:
-        fanin_serve(conns, rounds)
-        out.put(("reducer", rounds))
-    finally:
-        for c in conns:
-            c.close()
+    fanin_reduce(srv, nworkers, rounds)
+    out.put(("reducer", rounds))
 
 
 def _fanin_worker(rank: int, nworkers: int, warmup: int, iters: int, port_in, gloo_port: int, out) -> None:

@@ -48,7 +48,7 @@ from ..testbed.cluster import Testbed
 from ..testbed.netns import format_rate, parse_rate
 from . import report
 from .allreduce import B2B_ROUNDS
-from .floor import fanin_accept, fanin_call, fanin_join, fanin_serve, run_threads
+from .floor import fanin_call, fanin_join, fanin_reduce, run_threads
 from .procs import box_cpu
 from .testbed_launch import (GOODPUT_FACTOR, Proc, child_env, set_congestion_control, start_ranks, start_servers,
                              stop, tail, wait_ranks)
@@ -145,19 +145,10 @@ def worker_main(servers: list[str], nbytes: int, iters: int, warmup: int, out: s
 
 
 def fanin_reducer_main(host: str, port: int, workers: int, rounds: int) -> None:
-    """Sum one 8-byte integer from every worker per round, send the sum back to each."""
     srv = socket.create_server((host, port))
     srv.settimeout(_ACCEPT_S)
     print("ready", flush=True)
-    try:
-        conns = fanin_accept(srv, workers)
-    finally:
-        srv.close()
-    try:
-        fanin_serve(conns, rounds)
-    finally:
-        for c in conns:
-            c.close()
+    fanin_reduce(srv, workers, rounds)
 
 
 def fanin_worker_main(addr: str, rank: int, workers: int, warmup: int, calls: int, out: str) -> None:

@@ -90,7 +90,7 @@ def test_testbed_fanin_puts_the_floor_next_to_the_reducers_and_gloo_on_the_same_
         assert row["server_x_gloo"] == pytest.approx(row["server_us"] / row["gloo_us"])
         assert all(0 <= row[k] <= 1 for k in ("floor_busy", "server_busy", "gloo_busy"))
     assert "from 2 to 3 workers: floor x" in r.stdout
-    assert list_prefix_netns(prefix + "2") == [] and list_prefix_netns(prefix + "3") == []
+    assert list_prefix_netns(prefix + "n2") == [] and list_prefix_netns(prefix + "n3") == []
 
 
 def test_fanin_reducer_refuses_a_rank_out_of_range():

@@ -348,7 +348,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--servers", type=int, help="with --testbed: reducer hosts (default: as many as the worker hosts)")
     g.add_argument("--rate", default="1gbit", help="with --testbed: link rate each way (default 1gbit)")
     g.add_argument("--tcp-cc", metavar="NAME", default="reno", help="with --testbed: TCP congestion control")
-    g.add_argument("--prefix", help="with --testbed: namespace prefix (default rsfl<pid>; the fan-in adds N to it)")
+    g.add_argument("--prefix", help="with --testbed: namespace prefix (default rsfl<pid>; the fan-in adds n<N> to it)")
     g.add_argument("--timeout", type=float, default=600, help="with --testbed: per run, seconds (default 600)")
 
 

@@ -247,7 +247,7 @@ def _run_fanin(args: argparse.Namespace, counts: list[int], rate: int) -> list[d
     for n in counts:
         servers = args.servers if args.servers is not None else n
         floors, runs = [], []
-        with _testbed(n, servers, rate, f"{base}{n}", args.tcp_cc) as (tb, logdir, procs):
+        with _testbed(n, servers, rate, f"{base}n{n}", args.tcp_cc) as (tb, logdir, procs):
             reducers = start_servers(tb, logdir, time.monotonic() + args.timeout)
             procs.extend(reducers)
             for turn in range(FANIN_TURNS):

@@ -14,10 +14,10 @@ With ``--mode fanin`` (``both`` runs both) it is the reducers' small-message
 pattern instead, for each worker count N of ``--workers`` on a testbed of N
 worker hosts and ``--servers`` (default N) reducer hosts, the shape of the
 reducers' own runs: every worker sends 8 bytes to one plain-socket reducer
-process on s0, which sends the (checked) sum back to each.  redsock's ``server``
-all-reduce of 8 bytes and gloo's then run on the same hosts, and the floor once
-more after them; every figure is per call of back-to-back calls, slowest rank,
-as ``bench allreduce --back-to-back`` times them.  So the reducers are compared
+process on s0, which sends the (checked) sum back to each; then redsock's
+``server`` all-reduce of 8 bytes and gloo's on the same hosts; the two in
+alternating turns, each one's fastest turn counting.  Every figure is per call
+of back-to-back calls, slowest rank, as ``bench allreduce --back-to-back`` times them.  So the reducers are compared
 with plain sockets on the same veths, bridge and shapers, in one run: the
 loopback fan-in (``bench floor --mode fanin``) has none of those hops.
 
@@ -296,47 +296,56 @@ def _row(size: int, workers: int, servers: int, rate: int, floor_s: float, gloo_
             "max_x_gloo": gloo_s / floor_s, "ideal": 2 * (workers - 1) / workers}
 
 
+def _plain_run(tb: Testbed, args: argparse.Namespace, logdir: Path, procs: list[Proc], what: str,
+               reducers: list[tuple[str, list[str]]], workers: list[tuple[str, list[str]]]) -> list[dict]:
+    """Run plain-socket reducers (this module's roles; each says "ready"), then workers (each
+    writes its JSON to a path added to its arguments) on their hosts; the workers' JSON."""
+    me = [sys.executable, "-m", "redsock.bench.floor_testbed"]
+    started = []
+    for name, argv in reducers:
+        log = logdir / f"{what}-{name}.log"
+        with log.open("w") as err:
+            p = tb.popen(name, [*me, *argv], stdout=subprocess.PIPE, stderr=err, text=True, env=child_env({}),
+                         start_new_session=True)
+        started.append(Proc(name, p, log))
+    procs.extend(started)
+    for r in started:
+        if r.proc.stdout is None or r.proc.stdout.readline().strip() != "ready":
+            raise PeerFailure(f"{what} reducer {r.name} did not start: {tail(r.log)}")
+    outs, running = [], []
+    for name, argv in workers:
+        out, log = logdir / f"{what}-{name}.json", logdir / f"{what}-{name}.log"
+        with log.open("w") as err:
+            p = tb.popen(name, [*me, *argv, str(out)], stderr=err, env=child_env({}), start_new_session=True)
+        running.append(Proc(name, p, log))
+        outs.append(out)
+    procs.extend(running)
+    # Reducers exit when their rounds are done; a reducer that dies early closes its
+    # sockets, and the workers fail on that at once.
+    why = wait_ranks(running, [], time.monotonic() + args.timeout, args.timeout)
+    # A worker is done once its last bytes are back, a moment before their reducer has closed
+    # its sockets and exited: wait for that (stopping it first made it fail on a loaded machine).
+    end = time.monotonic() + _EXIT_S
+    while not why and time.monotonic() < end and any(r.proc.poll() is None for r in started):
+        time.sleep(0.05)
+    stop(started)
+    bad = [p for p in running + started if p.proc.returncode != 0]
+    if why or bad:
+        who = f"{bad[0].name} exited with {bad[0].proc.returncode}: {tail(bad[0].log)}" if bad else ""
+        raise PeerFailure(f"{what} run failed: {why or ''} {who}".strip())
+    return [json.loads(o.read_text()) for o in outs]
+
+
 def _floor(tb: Testbed, size: int, args: argparse.Namespace, logdir: Path,
            procs: list[Proc]) -> tuple[float, float]:
     """Median time of the floor's iterations (slowest worker each), and how busy the machine was."""
     nbytes = size // tb.servers
-    me = [sys.executable, "-m", "redsock.bench.floor_testbed"]
-    reducers = []
-    for name in tb.server_names:
-        log = logdir / f"floor-{name}.log"
-        with log.open("w") as err:
-            p = tb.popen(name, [*me, "reducer", tb.host_addr(name), str(FLOOR_PORT), str(tb.workers), str(nbytes),
-                                str(args.warmup + args.iters)],
-                         stdout=subprocess.PIPE, stderr=err, text=True, env=child_env({}), start_new_session=True)
-        reducers.append(Proc(name, p, log))
-    procs.extend(reducers)
-    for r in reducers:
-        if r.proc.stdout is None or r.proc.stdout.readline().strip() != "ready":
-            raise PeerFailure(f"floor reducer {r.name} did not start: {tail(r.log)}")
     addrs = ",".join(f"{tb.host_addr(s)}:{FLOOR_PORT}" for s in tb.server_names)
-    outs, workers = [], []
-    for name in tb.worker_names:
-        out, log = logdir / f"floor-{name}.json", logdir / f"floor-{name}.log"
-        with log.open("w") as err:
-            p = tb.popen(name, [*me, "worker", addrs, str(nbytes), str(args.iters), str(args.warmup), str(out)],
-                         stderr=err, env=child_env({}), start_new_session=True)
-        workers.append(Proc(name, p, log))
-        outs.append(out)
-    procs.extend(workers)
-    # Reducers exit when their iterations are done; a reducer that dies early closes its
-    # sockets, and the workers fail on that at once.
-    why = wait_ranks(workers, [], time.monotonic() + args.timeout, args.timeout)
-    # A worker is done once its last bytes are back, a moment before their reducer has closed
-    # its sockets and exited: wait for that (stopping it first made it fail on a loaded machine).
-    end = time.monotonic() + _EXIT_S
-    while not why and time.monotonic() < end and any(r.proc.poll() is None for r in reducers):
-        time.sleep(0.05)
-    stop(reducers)
-    bad = [p for p in workers + reducers if p.proc.returncode != 0]
-    if why or bad:
-        who = f"{bad[0].name} exited with {bad[0].proc.returncode}: {tail(bad[0].log)}" if bad else ""
-        raise PeerFailure(f"floor run failed: {why or ''} {who}".strip())
-    per_worker = [json.loads(o.read_text()) for o in outs]
+    per_worker = _plain_run(
+        tb, args, logdir, procs, f"floor{size}",
+        [(name, ["reducer", tb.host_addr(name), str(FLOOR_PORT), str(tb.workers), str(nbytes),
+                 str(args.warmup + args.iters)]) for name in tb.server_names],
+        [(name, ["worker", addrs, str(nbytes), str(args.iters), str(args.warmup)]) for name in tb.worker_names])
     floor_s = statistics.median(max(w["times"][i] for w in per_worker) for i in range(args.iters))
     return floor_s, per_worker[0]["busy"]
 
@@ -345,38 +354,14 @@ def _fanin_floor(tb: Testbed, warmup: int, calls: int, args: argparse.Namespace,
                  procs: list[Proc], turn: int) -> dict:
     """The plain-socket fan-in through s0: time per call (slowest worker per block, median
     of the blocks) and how busy the machine was."""
-    me = [sys.executable, "-m", "redsock.bench.floor_testbed"]
     host = tb.server_names[0]
-    log = logdir / f"fanin-{turn}-{host}.log"
-    with log.open("w") as err:
-        p = tb.popen(host, [*me, "fanin-reducer", tb.host_addr(host), str(FLOOR_PORT), str(tb.workers),
-                            str(warmup + B2B_ROUNDS * calls)],
-                     stdout=subprocess.PIPE, stderr=err, text=True, env=child_env({}), start_new_session=True)
-    reducer = Proc(host, p, log)
-    procs.append(reducer)
-    if p.stdout is None or p.stdout.readline().strip() != "ready":
-        raise PeerFailure(f"fan-in reducer on {host} did not start: {tail(log)}")
-    outs, workers = [], []
-    for rank, name in enumerate(tb.worker_names):
-        out, wlog = logdir / f"fanin-{turn}-{name}.json", logdir / f"fanin-{turn}-{name}.log"
-        with wlog.open("w") as err:
-            w = tb.popen(name, [*me, "fanin-worker", f"{tb.host_addr(host)}:{FLOOR_PORT}", str(rank), str(tb.workers),
-                                str(warmup), str(calls), str(out)],
-                         stderr=err, env=child_env({}), start_new_session=True)
-        workers.append(Proc(name, w, wlog))
-        outs.append(out)
-    procs.extend(workers)
-    why = wait_ranks(workers, [], time.monotonic() + args.timeout, args.timeout)
-    try:
-        reducer.proc.wait(timeout=_EXIT_S)  # it exits once it has sent the last round
-    except subprocess.TimeoutExpired:
-        pass
-    stop([reducer])
-    bad = [q for q in workers + [reducer] if q.proc.returncode != 0]
-    if why or bad:
-        who = f"{bad[0].name} exited with {bad[0].proc.returncode}: {tail(bad[0].log)}" if bad else ""
-        raise PeerFailure(f"fan-in floor failed: {why or ''} {who}".strip())
-    per_worker = [json.loads(o.read_text()) for o in outs]
+    addr = f"{tb.host_addr(host)}:{FLOOR_PORT}"
+    per_worker = _plain_run(
+        tb, args, logdir, procs, f"fanin{turn}",
+        [(host, ["fanin-reducer", tb.host_addr(host), str(FLOOR_PORT), str(tb.workers),
+                 str(warmup + B2B_ROUNDS * calls)])],
+        [(name, ["fanin-worker", addr, str(rank), str(tb.workers), str(warmup), str(calls)])
+         for rank, name in enumerate(tb.worker_names)])
     per_call = statistics.median(max(w["per_call"][k] for w in per_worker) for k in range(B2B_ROUNDS))
     return {"s": per_call, "busy": per_worker[0]["busy"]}
 

@@ -3,6 +3,7 @@
 import random
 import signal
 import socket
+import struct
 import threading
 import time
 
@@ -704,21 +705,56 @@ def test_control_reader_parses_records_however_the_bytes_arrive(chunk):
         assert [k for k, _, _ in sink.got] == ["whole", "whole", "whole", "begun", "whole", "abort"]
 
 
+class _Awaited:
+    """A waiter's receive, as the control reader sees it: done once the sink got a record."""
+
+    def __init__(self, sink: _Sink):
+        self.sink = sink
+
+    @property
+    def done(self) -> bool:
+        return bool(self.sink.got)
+
+
 def test_control_reader_stops_once_the_waiter_is_done():
-    """``done``: the pump returns as soon as it holds and nothing read is left unparsed, without
-    another read; what comes later is read by the next pump."""
+    """``until``: the pump returns as soon as it is done and nothing read is left unparsed,
+    without another read; what comes later is read by the next pump."""
     a, b = socket.socketpair()
     with a, b:
         reader = ControlReader(b, stage_bytes=4096, max_inline=64)
         sink = _Sink()
         a.sendall(wire.encode_inline(1, 0, 3) + b"abc")
-        assert reader.pump(sink, done=lambda: bool(sink.got)) is True and len(sink.got) == 1
+        assert reader.pump(sink, until=_Awaited(sink)) is True and len(sink.got) == 1
         a.sendall(wire.encode_inline(2, 0, 1) + b"z")
         reader.pump(sink)
         assert sink.got == [("whole", 1, b"abc"), ("whole", 2, b"z")]
         with pytest.raises(ProtocolError, match="exceeds"):  # an inline record above max_inline
             a.sendall(wire.encode_inline(3, 0, 65) + bytes(65))
             reader.pump(sink)
+
+
+def test_control_reader_waits_in_its_read_at_most_the_sockets_receive_timeout():
+    """``wait``: on a silent socket the pump returns nothing moved after the socket's receive
+    timeout (0.3 s), instead of blocking for good or raising; the first read sleeps until bytes
+    come (with a 10 s timeout, a record sent 0.1 s later is parsed by that one pump)."""
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(None)
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 300_000))
+        reader = ControlReader(b, stage_bytes=4096, max_inline=64)
+        sink = _Sink()
+        t0 = time.monotonic()
+        assert reader.pump(sink, until=_Awaited(sink), wait=True) is False and not sink.got
+        assert 0.25 <= time.monotonic() - t0 < 5.0
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 10, 0))
+        later = threading.Timer(0.1, a.sendall, [wire.encode_inline(7, 0, 2) + b"hi"])
+        later.start()
+        try:
+            t0 = time.monotonic()
+            assert reader.pump(sink, until=_Awaited(sink), wait=True) is True
+            assert sink.got == [("whole", 7, b"hi")] and 0.05 <= time.monotonic() - t0 < 9.0
+        finally:
+            later.join()
 
 
 def test_the_peers_reason_survives_a_stream_failure_while_a_waiter_reads_the_control_stream(make_pair):

@@ -111,7 +111,8 @@ def check_dtype(dtype: DTypeLike) -> np.dtype:
 
 def dtype_code(dtype: DTypeLike) -> int:
     """The one-byte wire code of ``dtype``; :class:`ConfigError` if unsupported."""
-    return _CODE_OF[check_dtype(dtype)]
+    code = _CODE_OF.get(dtype) if isinstance(dtype, np.dtype) else None  # the common case: no call
+    return _CODE_OF[check_dtype(dtype)] if code is None else code
 
 
 def dtype_from_code(code: int) -> np.dtype:
@@ -140,9 +141,10 @@ class ReduceOp(enum.Enum):
     # every dict lookup keyed by an op (a small collective makes a few).
     __hash__ = object.__hash__
 
-    @property
-    def code(self) -> int:
-        return self.value
+    def __init__(self, code: int) -> None:
+        # The wire code as a plain attribute: Enum's ``value`` is a Python-level property,
+        # read on every call's way out.
+        self.code = code
 
     @classmethod
     def from_code(cls, code: int) -> ReduceOp:

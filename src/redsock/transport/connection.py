@@ -3,8 +3,8 @@
 * Messages up to the inline threshold travel header+payload in one ``sendmsg``
   on the control stream, from the caller's thread.  Whoever *waits* for an
   inline message reads the control stream itself (busy-polling for
-  ``spin_us`` before it blocks, while that pays), so a small message costs no thread hop on
-  either side.
+  ``spin_us`` while that pays, then sleeping in the read itself), so a small message
+  costs no thread hop on either side, and a send and a receive are two system calls.
 * Larger messages are queued for the data streams; each stream has a sender
   thread that pulls its next slice from the schedule (see :mod:`.schedule`)
   and a receiver thread that reads slice headers and receives each payload
@@ -29,11 +29,12 @@ import os
 import random
 import select
 import socket
+import struct
 import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -51,6 +52,8 @@ _EVENT_LOCK = threading.Lock()
 #: How long a stream's failure waits for a waiter reading the control stream, which meets the
 #: peer's ABORT record (its reason) there, before it reports the failure as its own.
 PEER_REASON_WAIT_S = 1.0
+# How long a waiter sleeps in one read of the control stream before it looks at its deadline.
+CTRL_READ_WAIT_S = 0.05
 CTRL_STAGE_BYTES = 4096  # one control-stream read brings a whole small record, often several
 # A data-stream reader is woken at most once per this many bytes (one wake-up per slice: slices
 # are at most 4 MiB by default).  4 ranks on loopback, 64 MiB ring all-reduce, against waking
@@ -101,9 +104,10 @@ def irecv_any(connections: Callable[[], Mapping[K, "Connection"]], buf: Any, tag
 def as_bytes(buf: Any, *, writable: bool) -> memoryview:
     """A flat byte view of ``buf`` without copying; refuses what cannot be sent in place."""
     if isinstance(buf, np.ndarray):
-        if not buf.flags.c_contiguous:
+        flags = buf.flags
+        if not flags.c_contiguous:
             raise ConfigError("array is not C-contiguous; pass np.ascontiguousarray(a) (a copy) instead")
-        if writable and not buf.flags.writeable:
+        if writable and not flags.writeable:
             raise ConfigError("receive buffer is read-only")
         return memoryview(buf.reshape(-1).view(np.uint8))
     try:
@@ -120,7 +124,7 @@ def as_bytes(buf: Any, *, writable: bool) -> memoryview:
 class Handle:
     """One outstanding send or receive.  ``wait()`` blocks, ``test()`` polls."""
 
-    __slots__ = ("conn", "op", "tag", "seq", "check", "view", "nbytes", "got", "inline", "error", "_done", "_event")
+    __slots__ = ("conn", "op", "tag", "seq", "check", "view", "nbytes", "got", "inline", "error", "done", "_event")
 
     def __init__(self, conn: "Connection", op: str, tag: int, seq: int, view: memoryview, inline: bool,
                  check: int = 0):
@@ -128,24 +132,20 @@ class Handle:
         self.view, self.nbytes, self.inline = view, view.nbytes, inline
         self.got = 0  # bytes moved so far (progress, for the no-progress deadline)
         self.error: RedsockError | None = None
-        self._done = False
+        self.done = False  # read-only outside the connection: a plain attribute, polled by waiters
         self._event: threading.Event | None = None  # made only if someone must block: most never do
-
-    @property
-    def done(self) -> bool:
-        return self._done
 
     def test(self) -> bool:
         """True once complete; raises the operation's error if it failed."""
         if self.error is not None:
             raise self.error
-        return self._done
+        return self.done
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until complete.  Raises :class:`Timeout` if nothing moved for ``timeout``
         seconds (default ``REDSOCK_TIMEOUT_S``) — and then aborts the connection,
         because its stream state is no longer known — or the operation's error."""
-        if not self._done:
+        if not self.done:
             self.conn._wait(self, timeout)
         if self.error is not None:
             raise self.error
@@ -158,23 +158,23 @@ class Handle:
                 if self._event is None:
                     self._event = threading.Event()
                 ev = self._event
-            if self._done:  # completed before the event existed: nobody will set it
+            if self.done:  # completed before the event existed: nobody will set it
                 return True
         return ev.wait(timeout)
 
     def _complete(self) -> None:
-        self._done = True
-        ev = self._event  # read after _done is set; _block checks _done after making the event
+        self.done = True
+        ev = self._event  # read after done is set; _block checks done after making the event
         if ev is not None:
             ev.set()
 
     def _fail(self, err: RedsockError) -> None:
-        if not self._done:
+        if not self.done:
             self.error = err
             self._complete()
 
     def __repr__(self) -> str:
-        state = "failed" if self.error else "done" if self._done else "pending"
+        state = "failed" if self.error else "done" if self.done else "pending"
         return f"<Handle {self.op} {self.nbytes}B tag={self.tag} seq={self.seq} {state}>"
 
 
@@ -248,6 +248,10 @@ class Connection:
         self._crx_abort = False
         self._ctrl_poll = select.poll()
         self._ctrl_poll.register(ctrl.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+        # A waiter sleeps in its read of the control stream (a blocking socket, with a receive
+        # timeout so that it looks at its deadline): the reply's arrival wakes it with the bytes.
+        ctrl.settimeout(None)
+        ctrl.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, int(CTRL_READ_WAIT_S * 1e6)))
         self._spin = AdaptiveSpin(config.spin_us / 1e6)
         # Control stream, send side: direct from the caller unless a backlog exists.
         self._ctrl_tx_lock = threading.Lock()
@@ -310,7 +314,7 @@ class Connection:
 
     def irecv(self, buf: Any, tag: int = 0, check: int = 0) -> Handle:
         """Start receiving the next message with ``tag`` into ``buf`` (sizes and ``check`` must match)."""
-        return cast(Handle, self._irecv(buf, tag, check, only_arrived=False))  # always posts
+        return self._irecv(buf, tag, check, only_arrived=False)  # type: ignore[return-value]  # always posts
 
     def _irecv(self, buf: Any, tag: int, check: int, only_arrived: bool) -> Handle | None:
         view = as_bytes(buf, writable=True)
@@ -502,22 +506,22 @@ class Connection:
 
     def _wait(self, h: Handle, timeout: float | None) -> None:
         limit = self.config.timeout_s if timeout is None else timeout
-        self._wait_once(h, limit)
-        if not h._done and self._error is None and self.probe(min(1.0, limit)):
+        wait_once = self._read_until if h.inline and h.op == "recv" else self._wait_progress
+        wait_once(h, limit)
+        if not h.done and self._error is None and self.probe(min(1.0, limit)):
             # The peer is alive, so it is blocked on somebody else: if that one failed, its
             # neighbours' diagnosis reaches us as an abort.  One more period, then we give up.
-            self._wait_once(h, limit)
+            wait_once(h, limit)
             limit *= 2
-        if not h._done:
+        if not h.done:
             err = Timeout(f"{h.op} of {h.nbytes} bytes (tag {h.tag}) with {self.peer}: timeout (no progress "
                           f"for {limit:g}s; the call's timeout, by default REDSOCK_TIMEOUT_S)", peer=self.peer, op=h.op)
             self._abort(err)
             h._fail(err)
 
-    def _wait_once(self, h: Handle, limit: float) -> None:
-        if h.inline and h.op == "recv":
-            self._wait_inline(h, time.monotonic() + limit)
-            return
+    def _wait_progress(self, h: Handle, limit: float) -> None:
+        """Sleep until ``h`` is done, or nothing of it moved for ``limit`` seconds (the
+        threads of the data streams, or an inline receive's reader, complete it)."""
         deadline = time.monotonic() + limit
         last = h.got
         while not h._block(min(_PROGRESS_CHECK_S, max(0.0, deadline - time.monotonic()))):
@@ -573,49 +577,48 @@ class Connection:
             with self._lock:
                 self._release_stream(0)
 
-    def _wait_inline(self, h: Handle, deadline: float) -> None:
-        """Read the control stream ourselves until ``h`` is done: no thread hop."""
+    def _read_until(self, h: Handle, limit: float) -> None:
+        """Read the control stream ourselves until inline receive ``h`` is done (no thread
+        hop), or ``limit`` seconds have passed.  One frame for the whole wait: a small call's
+        every Python call costs microseconds with caches cold from the last context switch."""
         start = time.perf_counter()
+        deadline = time.monotonic() + limit
         spin_s = self._spin.budget()
+        spin_until = start + spin_s
         try:
-            self._read_until(h, deadline, spin_s, start + spin_s)
+            while not h.done:
+                if not self._ctrl_rx_lock.acquire(blocking=False):
+                    h._block(0.0005)  # another waiter is reading; it completes us if ours comes
+                    if time.monotonic() >= deadline:
+                        return
+                    continue
+                try:
+                    while not h.done:
+                        if time.perf_counter() < spin_until:
+                            # Busy-poll: the reply is usually microseconds away.  Yielding keeps a
+                            # spinning rank from starving the one it waits for when cores are shared.
+                            if self._crx.pump(self, h):
+                                spin_until = time.perf_counter() + spin_s
+                            else:
+                                os.sched_yield()
+                            continue
+                        if time.monotonic() >= deadline:
+                            return
+                        # Sleep in the read itself (at most CTRL_READ_WAIT_S, the socket's receive
+                        # timeout): the reply wakes us with its bytes, one system call.
+                        if self._crx.pump(self, h, wait=True):
+                            spin_until = time.perf_counter() + spin_s
+                except (OSError, EOFError, RedsockError) as e:
+                    self._io_failed(e, "recv", reading_ctrl=True)
+                finally:
+                    self._ctrl_rx_lock.release()
         finally:
             self._spin.record(time.perf_counter() - start)
-
-    def _read_until(self, h: Handle, deadline: float, spin_s: float, spin_until: float) -> None:
-        while not h._done:
-            if not self._ctrl_rx_lock.acquire(blocking=False):
-                h._block(0.0005)  # another waiter is reading; it completes us if ours comes
-                if time.monotonic() >= deadline:
-                    return
-                continue
-            try:
-                # Not spinning, and nothing staged: ask the kernel first (a read that finds
-                # the socket empty costs more than the poll that says so).
-                read = spin_s > 0 or self._crx.staged
-                while not h._done:
-                    if read and self._pump_ctrl(until=h):
-                        spin_until = time.perf_counter() + spin_s
-                        continue
-                    read = True
-                    if time.perf_counter() < spin_until:
-                        # Busy-poll: the reply is usually microseconds away.  Yielding keeps a
-                        # spinning rank from starving the one it waits for when cores are shared.
-                        os.sched_yield()
-                        continue
-                    now = time.monotonic()
-                    if now >= deadline:
-                        return
-                    self._ctrl_poll.poll(int(min(deadline - now, 0.05) * 1000) + 1)
-            except (OSError, EOFError, RedsockError) as e:
-                self._io_failed(e, "recv", reading_ctrl=True)
-            finally:
-                self._ctrl_rx_lock.release()
 
     # -- control stream -----------------------------------------------------
 
     def _send_inline(self, h: Handle, parts: list) -> None:
-        total = sum(len(p) for p in parts)
+        total = wire.CTRL_SIZE + h.nbytes  # the header, then h's bytes
         with self._ctrl_tx_lock:
             sent = 0
             if not self._ctrl_backlog:
@@ -665,10 +668,10 @@ class Connection:
             if h is not None:  # a failure that came first left it to us
                 h._fail(self._error or translate_oserror(e, self.peer, "send"))
 
-    def _pump_ctrl(self, until: Handle | None = None) -> bool:
+    def _pump_ctrl(self) -> bool:
         """Read whatever the control stream has, without blocking; True if anything moved.
-        With ``until``: return as soon as it is complete.  Caller holds the rx lock."""
-        return self._crx.pump(self, None if until is None else lambda: until._done)
+        Caller holds the rx lock."""
+        return self._crx.pump(self)
 
     def ctrl_whole(self, rec: wire.CtrlRecord, payload: memoryview) -> None:
         """An inline message that arrived whole: into its posted receive in one step."""

@@ -8,7 +8,6 @@ import ipaddress
 import logging
 import select
 import socket
-from collections.abc import Callable
 from typing import Protocol
 
 from .. import wire
@@ -69,16 +68,23 @@ def translate_oserror(exc: BaseException, peer: str, op: str) -> TransportError:
     return err
 
 
-def read_available(sock: socket.socket, view: memoryview) -> int | None:
+def read_available(sock: socket.socket, view: memoryview, flags: int = socket.MSG_DONTWAIT) -> int | None:
     """Read what ``sock`` has, up to ``len(view)`` (> 0) bytes, without blocking: None if
-    nothing is there yet; EOFError at the end of the stream."""
+    nothing is there yet; EOFError at the end of the stream.  ``flags`` 0, on a blocking
+    socket with a receive timeout: wait for the first bytes, at most that timeout."""
     try:
-        n = sock.recv_into(view, len(view), socket.MSG_DONTWAIT)
+        n = sock.recv_into(view, len(view), flags)
     except BlockingIOError:
         return None
     if n == 0:
         raise EOFError("peer closed the stream")
     return n
+
+
+class Awaited(Protocol):
+    """What a waiter reads the control stream for (a receive): done once it has arrived."""
+
+    done: bool
 
 
 class ControlSink(Protocol):
@@ -117,13 +123,17 @@ class ControlReader:
         """Whether bytes already read wait to be parsed."""
         return self._hi > self._lo
 
-    def pump(self, sink: ControlSink, done: Callable[[], bool] | None = None) -> bool:
+    def pump(self, sink: ControlSink, until: Awaited | None = None, wait: bool = False) -> bool:
         """Parse what the socket has; True if anything moved.  Returns once a read comes back
         short or finds nothing (the socket is empty: the caller polls for more), or, with
-        ``done``, as soon as it holds and nothing read is left unparsed (a waiter needs no extra
-        read just to learn that the socket is empty)."""
+        ``until``, as soon as it is done and nothing read is left unparsed (a waiter needs no
+        extra read just to learn that the socket is empty).
+
+        ``wait`` (a blocking socket with a receive timeout): the first read sleeps until bytes
+        come, at most that timeout — one system call where a poll and a read would be two."""
         sock, view = self.sock, self._view
         progressed = drained = False
+        flags = 0 if wait else socket.MSG_DONTWAIT
         while True:
             target = self._target
             if target is None:
@@ -140,7 +150,7 @@ class ControlReader:
                         self._lo = body
                         self._begin(sink, rec)
                     continue
-                if done is not None and lo == hi and done():
+                if until is not None and lo == hi and until.done:
                     return True
                 if drained:
                     return progressed
@@ -148,7 +158,8 @@ class ControlReader:
                     self._stage[:hi - lo] = self._stage[lo:hi]
                     self._lo, self._hi = 0, hi - lo
                 room = len(view) - self._hi
-                n = read_available(sock, view[self._hi:])
+                n = read_available(sock, view[self._hi:], flags)
+                flags = socket.MSG_DONTWAIT
                 if n is None:
                     return progressed
                 self._hi += n
@@ -163,7 +174,8 @@ class ControlReader:
             else:
                 if drained:
                     return progressed
-                n = read_available(sock, target[self._filled:])
+                n = read_available(sock, target[self._filled:], flags)
+                flags = socket.MSG_DONTWAIT
                 if n is None:
                     return progressed
                 drained = n < want

@@ -13,6 +13,7 @@ import pytest
 
 from redsock import ops
 from redsock.bench import allreduce
+from redsock.bench.procs import BoxCpu, box_cpu, cpu_shares
 
 
 @pytest.mark.parametrize("dtype, op", [(np.float32, "sum"), (ops.bfloat16, "avg"), (np.int8, "prod"),
@@ -70,7 +71,8 @@ def test_checked_sweep_over_blocks_reports_zero_wrong(monkeypatch, tmp_path):
     # 3 ranks busy reducing, each with at most every core: above nothing, below 3 machines' worth
     assert len(rows) == 2 and all(0 < row["extra"]["ranks_busy"] <= 3 for row in rows)
     # ... and the share of the whole machine busy meanwhile (the same on every rank: rank 0's reading)
-    assert all(0 <= row["extra"]["machine_busy"] <= 1 for row in rows)
+    # (and of that, the share the hypervisor gave other guests)
+    assert all(0 <= row["extra"]["machine_steal"] <= row["extra"]["machine_busy"] <= 1 for row in rows)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "int64"])
@@ -108,3 +110,13 @@ def test_launcher_refuses_bad_options_once_before_starting_ranks(argv, says):
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [f"redsock: error: {p.stderr.split('error: ', 1)[1].strip()}"]
     assert says in p.stderr and "rank" not in p.stderr.replace("--nprocs", "")
+
+
+def test_cpu_shares_count_steal_as_busy_and_show_it_apart():
+    """Steal (cycles the hypervisor gave other guests) is busy time (not ours to use: a run can
+    be CPU-bound through it), and its share is reported apart; readings come from /proc/stat."""
+    before, after = BoxCpu(busy=100, total=1000, steal=10), BoxCpu(busy=700, total=2000, steal=210)
+    assert cpu_shares(before, after) == (0.6, 0.2)
+    fields = [int(v) for v in open("/proc/stat").readline().split()[1:9]]
+    now = box_cpu()
+    assert now.total >= sum(fields) and now.steal >= fields[7] and 0 <= now.steal <= now.busy <= now.total

@@ -55,14 +55,16 @@ def test_summary_ratios_against_link_and_gloo():
     rows = [report.Row.from_times("redsock", "server", 4, 1 << 26, 1 << 24, "float32", "sum",
                                   [(1 << 26) / 1e9 / goodput], 0),
             report.Row.from_times("gloo", "gloo", 4, 1 << 26, 1 << 24, "float32", "sum",
-                                  [1.5 * (1 << 26) / 1e9 / goodput], 0, extra={"machine_busy": 0.614})]
+                                  [1.5 * (1 << 26) / 1e9 / goodput], 0,
+                                  extra={"machine_busy": 0.614, "machine_steal": 0.052})]
     text = allreduce_testbed.summary_table(rows, rate, 4, 4, "uniform")
     line = next(x for x in text.splitlines() if "server" in x and "MiB" in x)
     assert "100.0%" in line      # at the link goodput
     assert " 1.50 " in line      # 1.5x gloo, and the ideal 2(N-1)/N = 1.5 at N=4
-    # How busy the machine was while each row was timed, where the row says: the last but one column.
-    assert line.split()[-2] == "-"
-    assert next(x for x in text.splitlines() if " gloo " in x and "MiB" in x).split()[-2] == "61%"
+    # How busy the machine was while each row was timed, and of that the hypervisor's steal, where
+    # the row says: the two columns before the last.
+    assert line.split()[-3:-1] == ["-", "-"]
+    assert next(x for x in text.splitlines() if " gloo " in x and "MiB" in x).split()[-3:-1] == ["61%", "5%"]
     assert allreduce_testbed.ideal_over_gloo("server", 8) == pytest.approx(1.75)
 
 

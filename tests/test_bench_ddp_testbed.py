@@ -34,11 +34,11 @@ def test_parse_result_reads_the_last_result_line():
 
 
 def test_summary_takes_medians_and_counts_reducer_hosts():
-    def res(sps, rtos=0):
+    def res(sps, rtos=0, steal=0.0):
         return {"steps": 10, "time_s": 10 / sps, "steps_per_s": sps, "final_loss": 9.0, "grad_bytes": 100,
-                "tcp": {"RetransSegs": 5, "TCPTimeouts": rtos}, "machine_busy": 0.9}
+                "tcp": {"RetransSegs": 5, "TCPTimeouts": rtos}, "machine_busy": 0.9, "machine_steal": steal}
 
-    rows = ddp_testbed.summarize({"gloo": [res(2.0), res(1.0), res(3.0)],
+    rows = ddp_testbed.summarize({"gloo": [res(2.0, steal=0.2), res(1.0), res(3.0, steal=0.05)],
                                   "server": [res(3.0), res(4.0, rtos=2), res(2.0, rtos=1)]},
                                  workers=4, servers=4, rate=10**9)
     gloo, server = rows
@@ -48,6 +48,9 @@ def test_summary_takes_medians_and_counts_reducer_hosts():
     assert gloo["host_s_per_step"] == pytest.approx(2.0) and server["host_s_per_step"] == pytest.approx(8 / 3)
     assert server["cost_vs_gloo"] == pytest.approx(4 / 3)
     assert (gloo["tcp_timeouts"], server["tcp_timeouts"]) == (0, 3)  # summed over the runs
+    assert (gloo["machine_steal"], server["machine_steal"]) == (0.05, 0.0)  # medians, as busy
+    text = ddp_testbed.format_summary(rows, workers=4, rate=10**9)
+    assert next(x for x in text.splitlines() if x.split()[0] == "gloo").split()[-4:-3] == ["5%"]
     text = ddp_testbed.format_summary(rows, 4, 10**9)
     assert "1.50" in text and "1 Gbit/s" in text and "RTOs" in text
     assert text.splitlines()[-1].split()[7] == "3"  # the server row's RTO column

@@ -66,7 +66,7 @@ def test_testbed_floor_runs_the_pattern_and_gloo_and_cleans_up(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row["size"] == 2 << 20 and row["workers"] == 2 and row["servers"] == 2
-    assert row["floor_s"] > 0 and row["gloo_s"] > 0 and 0 <= row["floor_cpu_busy"] <= 1
+    assert row["floor_s"] > 0 and row["gloo_s"] > 0 and 0 <= row["floor_cpu_steal"] <= row["floor_cpu_busy"] <= 1
     # bytes per worker cannot cross a 1 Gbit/s link faster than the link
     assert row["floor_s"] >= (2 << 20) / (1e9 / 8)
     assert list_prefix_netns(prefix) == []
@@ -88,7 +88,7 @@ def test_testbed_fanin_puts_the_floor_next_to_the_reducers_and_gloo_on_the_same_
             assert len(row[f"{what}_turns_us"]) == 2 and row[f"{what}_us"] == min(row[f"{what}_turns_us"]) > 0
         assert row["server_x_floor"] == pytest.approx(row["server_us"] / row["floor_us"])
         assert row["server_x_gloo"] == pytest.approx(row["server_us"] / row["gloo_us"])
-        assert all(0 <= row[k] <= 1 for k in ("floor_busy", "server_busy", "gloo_busy"))
+        assert all(0 <= row[f"{k}_steal"] <= row[f"{k}_busy"] <= 1 for k in ("floor", "server", "gloo"))
     assert "from 2 to 3 workers: floor x" in r.stdout
     assert list_prefix_netns(prefix + "n2") == [] and list_prefix_netns(prefix + "n3") == []
 

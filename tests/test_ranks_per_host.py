@@ -166,7 +166,7 @@ def test_allreduce_summary_uses_each_schemes_host_link_bound() -> None:
 
 def test_ddp_summary_counts_hosts_and_ranks() -> None:
     run = {"steps": 10, "time_s": 5.0, "steps_per_s": 2.0, "final_loss": 9.0, "grad_bytes": 30_000_000,
-           "tcp": {"TCPTimeouts": 0}, "machine_busy": 0.95}
+           "tcp": {"TCPTimeouts": 0}, "machine_busy": 0.95, "machine_steal": 0.1}
     rows = ddp_testbed.summarize({"gloo": [run], "server": [{**run, "steps_per_s": 3.0}]}, workers=4, servers=4,
                                  rate=RATE, ranks_per_host=2)
     gloo, server = rows

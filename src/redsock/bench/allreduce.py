@@ -23,7 +23,7 @@ import numpy as np
 from .. import ops
 from ..config import parse_size
 from ..errors import ConfigError, RedsockError
-from .procs import box_cpu, stop_processes
+from .procs import BoxCpu, box_cpu, cpu_shares, stop_processes
 
 REDSOCK_ALGOS = ("auto", "ring", "small", "server", "hier")
 CHECK_BLOCK = 1 << 22  # elements checked at a time
@@ -188,13 +188,13 @@ def _ranks_busy(comm, cpu_s: float, wall_s: float) -> float:
     return round(float(both[0] / max(both[1], 1e-9) / (os.cpu_count() or 1)), 3)
 
 
-def _machine_busy(comm, before: tuple[int, int], after: tuple[int, int]) -> float:
-    """The share of the whole machine's cores busy while one row was timed (rank 0's
-    reading of /proc/stat, on every rank): unlike ``ranks_busy`` it counts the reducers,
-    the kernel's network work and anything else running."""
-    share = np.array([(after[0] - before[0]) / max(1, after[1] - before[1])])
-    comm.broadcast(share, 0)
-    return round(float(share[0]), 3)
+def _machine_busy(comm, before: BoxCpu, after: BoxCpu) -> tuple[float, float]:
+    """The shares of the whole machine's cores busy, and stolen by the hypervisor, while one
+    row was timed (rank 0's reading of /proc/stat, on every rank): unlike ``ranks_busy`` it
+    counts the reducers, the kernel's network work and anything else running."""
+    shares = np.array(cpu_shares(before, after))
+    comm.broadcast(shares, 0)
+    return round(float(shares[0]), 3), round(float(shares[1]), 3)
 
 
 def run_rank(args: argparse.Namespace) -> int:
@@ -225,11 +225,12 @@ def run_rank(args: argparse.Namespace) -> int:
                 cpu0, wall0, box0 = time.process_time(), time.perf_counter(), box_cpu()
                 times = _time_algo(fn, x, warm, iters, comm, args.back_to_back)
                 busy = _ranks_busy(comm, time.process_time() - cpu0, time.perf_counter() - wall0)
-                machine = _machine_busy(comm, box0, box_cpu())
+                machine, steal = _machine_busy(comm, box0, box_cpu())
                 wrong = _check(fn, count, dtype, op, rank, world, comm) if args.check else -1
                 extra = route(comm, nbytes, algo) if algo != "gloo" else {"scheme": "flat", "inter": "ring"}
                 extra["ranks_busy"] = busy
                 extra["machine_busy"] = machine
+                extra["machine_steal"] = steal
                 rows.append(report.Row.from_times("gloo" if algo == "gloo" else "redsock", algo, world, nbytes,
                                                   count, dtype.name, op.name.lower(), times, wrong, extra=extra))
                 progress.advance(f"{algo} {nbytes} B")

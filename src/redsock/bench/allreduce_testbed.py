@@ -45,7 +45,7 @@ from ..testbed import netns as nx
 from ..testbed.cluster import PROFILES, Testbed
 from ..testbed.netns import format_rate, parse_rate
 from . import report
-from .procs import box_cpu
+from .procs import BoxCpu, box_cpu, cpu_shares
 from .testbed_launch import (BUSY_LIMIT, GOODPUT_FACTOR, cpu_line, SERVER_PORT, Proc, host_nic_factor, proc_status,
                              set_congestion_control, start_ranks, start_servers, stop, tail, tcp_counters, tcp_delta,
                              tcp_line, wait_ranks)
@@ -149,10 +149,11 @@ def summary_table(rows: Sequence[report.Row], rate_bps: int, workers: int, serve
            "%bound = algbw / bound; /gloo = algbw / gloo's algbw (same size, this run); "
            "ideal = gloo's NIC/S / this NIC/S; busy = the whole machine's cores in use while the row was "
            f"timed (ranks, reducers, the kernel's network work: at {BUSY_LIMIT:.0%} or more the row measures "
-           "the CPU rather than the links)"]
+           "the CPU rather than the links); steal = of that, the share the hypervisor gave other guests "
+           "(it slows every process at once)"]
     gloo = {(r.world, r.bytes, r.dtype, r.op): r for r in rows if r.algo == "gloo"}
     out.append(f"#{'size':>9} {'algo':>7} {'route':>12} {'time(us)':>10} {'algbw':>9} {'NIC/S':>6} {'bound':>8} "
-               f"{'%bound':>7} {'gloo':>9} {'/gloo':>7} {'ideal':>6} {'busy':>5} {'#wrong':>7}")
+               f"{'%bound':>7} {'gloo':>9} {'/gloo':>7} {'ideal':>6} {'busy':>5} {'steal':>5} {'#wrong':>7}")
     for r in sorted(rows, key=lambda r: (r.bytes, r.algo == "gloo")):
         g = None if r.algo == "gloo" else gloo.get((r.world, r.bytes, r.dtype, r.op))
         inter, scheme = row_route(r)
@@ -168,7 +169,7 @@ def summary_table(rows: Sequence[report.Row], rate_bps: int, workers: int, serve
             f"{(f'{g.algbw_GBps:9.4f}' if g else '-'):>9} "
             f"{(f'{r.algbw_GBps / g.algbw_GBps:7.2f}' if g and g.algbw_GBps > 0 else '-'):>7} "
             f"{(f'{ideal:6.2f}' if ideal else '-'):>6} "
-            f"{(f'{100 * busy:4.0f}%' if (busy := r.extra.get('machine_busy')) is not None else '-'):>5} "
+            f"{report.percent(r.extra.get('machine_busy')):>5} {report.percent(r.extra.get('machine_steal')):>5} "
             f"{('N/A' if r.wrong < 0 else str(r.wrong)):>7}")
     return "\n".join(out)
 
@@ -289,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, tb: Testbed, ranks: list[Proc], servers: list[Proc],
             why: str | None, json_path: Path, rate: int, nservers: int, wall: float,
-            children0: Any, box0: tuple[int, int], box1: tuple[int, int]) -> int:
+            children0: Any, box0: BoxCpu, box1: BoxCpu) -> int:
     rc = 0
     if why is not None:
         print(f"redsock: testbed run failed: {why}", file=sys.stderr)
@@ -328,6 +329,5 @@ def _report(args: argparse.Namespace, tb: Testbed, ranks: list[Proc], servers: l
     children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     rank_cpu = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
     server_cpu = sum(s.info.get("cpu_s", 0.0) for s in servers)
-    busy = (box1[0] - box0[0]) / max(1, box1[1] - box0[1])
-    print(cpu_line(wall, rank_cpu, server_cpu, busy))
+    print(cpu_line(wall, rank_cpu, server_cpu, *cpu_shares(box0, box1)))
     return rc

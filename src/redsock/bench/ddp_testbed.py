@@ -44,7 +44,8 @@ from ..errors import ConfigError, RedsockError
 from ..testbed import netns as nx
 from ..testbed.cluster import PROFILES, Testbed
 from ..testbed.netns import format_rate, parse_rate
-from .procs import box_cpu
+from . import report
+from .procs import box_cpu, cpu_shares
 from .testbed_launch import (MASTER_PORT, Proc, rank0_output, set_congestion_control, start_ranks, start_servers,
                              stop, tail, tcp_counters, tcp_delta, tcp_line, wait_ranks)
 
@@ -134,7 +135,8 @@ def summarize(results: dict[str, list[dict[str, Any]]], workers: int, servers: i
                     # Retransmission timeouts over all runs: each stalls a flow >= 200 ms.
                     "tcp_timeouts": sum(r["tcp"]["TCPTimeouts"] for r in runs),
                     # How busy the whole machine was (a CPU-bound run does not measure the network).
-                    "machine_busy": statistics.median(r["machine_busy"] for r in runs)})
+                    "machine_busy": statistics.median(r["machine_busy"] for r in runs),
+                    "machine_steal": statistics.median(r["machine_steal"] for r in runs)})
     gloo = next((o for o in out if o["algo"] == "gloo"), None)
     for o in out:
         o["vs_gloo"] = o["steps_per_s"] / gloo["steps_per_s"] if gloo else None
@@ -146,15 +148,17 @@ def format_summary(rows: Sequence[dict[str, Any]], workers: int, rate: int, rank
     ranks = f" x {ranks_per_host} ranks (N={workers * ranks_per_host})" if ranks_per_host > 1 else ""
     lines = [f"# DDP {workers} workers{ranks}, links at {format_rate(rate)}: median steps/s over the runs; "
              "x gloo = steps/s ratio; host-s/step counts reducer hosts; RTOs = TCP retransmission timeouts, all runs; "
-             "busy = the whole machine's CPU use during a run (median)",
+             "busy = the whole machine's CPU use during a run (median); steal = of that, the share the hypervisor "
+             "gave other guests (median)",
              f"#{'algo':>7} {'steps/s':>9} {'x gloo':>7} {'hosts':>6} {'host-s/step':>12} {'cost x gloo':>12}"
-             f" {'loss':>8} {'RTOs':>5} {'busy':>5}  runs"]
+             f" {'loss':>8} {'RTOs':>5} {'busy':>5} {'steal':>5}  runs"]
     for o in rows:
         vs = f"{o['vs_gloo']:.2f}" if o["vs_gloo"] else "-"
         cost = f"{o['cost_vs_gloo']:.2f}" if o["cost_vs_gloo"] else "-"
         runs = " ".join(f"{x:.3f}" for x in o["runs"])
         lines.append(f"{o['algo']:>8} {o['steps_per_s']:9.3f} {vs:>7} {o['hosts']:>6} {o['host_s_per_step']:12.2f}"
-                     f" {cost:>12} {o['final_loss']:8.4f} {o['tcp_timeouts']:5d} {o['machine_busy']:5.0%}  {runs}")
+                     f" {cost:>12} {o['final_loss']:8.4f} {o['tcp_timeouts']:5d} {o['machine_busy']:5.0%}"
+                     f" {report.percent(o.get('machine_steal')):>5}  {runs}")
     return "\n".join(lines)
 
 
@@ -233,11 +237,11 @@ def run(args: argparse.Namespace) -> int:
                         raise RedsockError(f"{algo} run {rep + 1} failed: {why}")
                     result = parse_result(rank0_output(tb, logdir, args.ranks_per_host, tag).read_text())
                     result["tcp"] = tcp_delta(tcp0, tcp_counters(tb))
-                    box1 = box_cpu()
-                    result["machine_busy"] = (box1[0] - box0[0]) / max(1, box1[1] - box0[1])
+                    result["machine_busy"], result["machine_steal"] = cpu_shares(box0, box_cpu())
                     print(f"# TCP during the run, all hosts: {tcp_line(result['tcp'])}", flush=True)
                     print(f"# CPU during the run: the whole machine {result['machine_busy']:.0%} busy "
-                          f"({os.cpu_count()} cores, start-up included)", flush=True)
+                          f"({os.cpu_count()} cores, start-up included; {result['machine_steal']:.0%} stolen by the "
+                          "hypervisor)", flush=True)
                     results[algo].append(result)
             for s in server_procs:
                 if s.proc.poll() is not None:

@@ -49,7 +49,7 @@ from ..testbed.netns import format_rate, parse_rate
 from . import report
 from .allreduce import B2B_ROUNDS
 from .floor import fanin_call, fanin_join, fanin_reduce, run_threads
-from .procs import box_cpu
+from .procs import box_cpu, cpu_shares
 from .testbed_launch import (GOODPUT_FACTOR, Proc, child_env, set_congestion_control, start_ranks, start_servers,
                              stop, tail, wait_ranks)
 
@@ -136,9 +136,8 @@ def worker_main(servers: list[str], nbytes: int, iters: int, warmup: int, out: s
                 jobs.append(lambda c=c: _recv_exact(c, memoryview(bytearray(_BUF)), nbytes))
             run_threads(jobs)
             times.append(time.perf_counter() - t0)
-        cpu1 = box_cpu()  # the whole machine (every namespace) over the timed iterations
-        busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
-        Path(out).write_text(json.dumps({"times": times[warmup:], "busy": busy}))
+        busy, steal = cpu_shares(cpu0, box_cpu())  # the whole machine (every namespace) over the timed iterations
+        Path(out).write_text(json.dumps({"times": times[warmup:], "busy": busy, "steal": steal}))
     finally:
         for c in conns:
             c.close()
@@ -169,9 +168,8 @@ def fanin_worker_main(addr: str, rank: int, workers: int, warmup: int, calls: in
                 fanin_call(sock, rank, workers, it, buf)
                 it += 1
             per_call.append((time.perf_counter() - t0) / calls)
-        cpu1 = box_cpu()
-        busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
-        Path(out).write_text(json.dumps({"per_call": per_call, "busy": busy}))
+        busy, steal = cpu_shares(cpu0, box_cpu())
+        Path(out).write_text(json.dumps({"per_call": per_call, "busy": busy, "steal": steal}))
     finally:
         sock.close()
 
@@ -220,16 +218,19 @@ def _run_bulk(args: argparse.Namespace, sizes: list[int], rate: int) -> list[dic
     results = []
     with _testbed(workers, servers, rate, args.prefix or f"rsfl{os.getpid()}", args.tcp_cc) as (tb, logdir, procs):
         for size in sizes:
-            floor_s, busy = _floor(tb, size, args, logdir, procs)
+            floor_s, busy, steal = _floor(tb, size, args, logdir, procs)
             gloo_s = _gloo(tb, size, args, logdir, procs)
-            results.append({**_row(size, workers, servers, rate, floor_s, gloo_s), "floor_cpu_busy": busy})
+            results.append({**_row(size, workers, servers, rate, floor_s, gloo_s), "floor_cpu_busy": busy,
+                            "floor_cpu_steal": steal})
     print("# floor: plain sockets, each worker S/M bytes to and from each reducer; no sums, no waiting for other "
           "workers, no flow control; gloo: its all-reduce of S bytes on the same testbed")
-    print("#     size  floor(us)  floor algbw  %good   cpu   gloo(us)  gloo algbw  floor/gloo  ideal   (algbw in "
-          "GB/s; cpu: the whole machine busy during the floor's timed iterations)")
+    print("#     size  floor(us)  floor algbw  %good   cpu steal   gloo(us)  gloo algbw  floor/gloo  ideal   (algbw "
+          "in GB/s; cpu: the whole machine busy during the floor's timed iterations; steal: of that, the share "
+          "the hypervisor gave other guests)")
     for r in results:
         print(f"{report.human_size(r['size']):>10} {r['floor_s'] * 1e6:10.0f} {r['floor_algbw']:12.4f} "
-              f"{100 * r['floor_good']:5.1f}% {100 * r['floor_cpu_busy']:4.0f}% {r['gloo_s'] * 1e6:10.0f} "
+              f"{100 * r['floor_good']:5.1f}% {report.percent(r['floor_cpu_busy']):>5} "
+              f"{report.percent(r['floor_cpu_steal']):>5} {r['gloo_s'] * 1e6:10.0f} "
               f"{r['gloo_algbw']:11.4f} {r['max_x_gloo']:10.2f}x {r['ideal']:6.2f}x")
     return results
 
@@ -263,29 +264,29 @@ def _run_fanin(args: argparse.Namespace, counts: list[int], rate: int) -> list[d
                         "gloo_turns_us": [r["gloo"].median_s * 1e6 for r in runs],
                         "server_x_floor": server.median_s / floor["s"], "server_x_gloo": server.median_s / gloo.median_s,
                         "floor_busy": floor["busy"], "server_busy": server.extra.get("machine_busy"),
-                        "gloo_busy": gloo.extra.get("machine_busy")})
+                        "gloo_busy": gloo.extra.get("machine_busy"), "floor_steal": floor["steal"],
+                        "server_steal": server.extra.get("machine_steal"),
+                        "gloo_steal": gloo.extra.get("machine_steal")})
     print(f"# fan-in on the testbed, links at {format_rate(rate)}: N worker hosts + M reducer hosts; floor: plain "
           f"sockets, 8 bytes from every worker to one reducer process on s0, the checked sum back; reducers: "
           f"redsock's 8-byte 'server' all-reduce; gloo: its all-reduce on the same hosts.  Per call of back-to-back "
           f"calls, slowest rank; {FANIN_TURNS} alternating turns, each one's fastest counts (all turns in "
-          f"parentheses); busy: the whole machine during the counted turn")
+          f"parentheses); busy: the whole machine during the counted turn; steal: of that, the share the "
+          f"hypervisor gave other guests")
     print("#  workers reducers  floor(us)  reducers(us)  gloo(us)  reducers/floor  reducers/gloo  "
-          "busy floor/reducers/gloo  (turns: floor; reducers; gloo)")
+          "busy floor/reducers/gloo  steal  (turns: floor; reducers; gloo)")
     for r in results:
         turns = "; ".join("/".join(f"{v:.0f}" for v in r[k]) for k in ("floor_turns_us", "server_turns_us",
                                                                         "gloo_turns_us"))
         print(f"{r['workers']:10d} {r['servers']:8d} {r['floor_us']:10.1f} {r['server_us']:13.1f} {r['gloo_us']:9.1f} "
               f"{r['server_x_floor']:14.2f}x {r['server_x_gloo']:13.2f}x  "
-              f"{_pct(r['floor_busy'])}/{_pct(r['server_busy'])}/{_pct(r['gloo_busy'])}  ({turns})")
+              f"{'/'.join(report.percent(r[k + '_busy']) for k in ('floor', 'server', 'gloo'))}  "
+              f"{'/'.join(report.percent(r[k + '_steal']) for k in ('floor', 'server', 'gloo'))}  ({turns})")
     if len(results) > 1:
         a, z = results[0], results[-1]
         print(f"# from {a['workers']} to {z['workers']} workers: floor x{z['floor_us'] / a['floor_us']:.2f}, "
               f"reducers x{z['server_us'] / a['server_us']:.2f}, gloo x{z['gloo_us'] / a['gloo_us']:.2f}")
     return results
-
-
-def _pct(share: float | None) -> str:
-    return "-" if share is None else f"{100 * share:.0f}%"
 
 
 def _row(size: int, workers: int, servers: int, rate: int, floor_s: float, gloo_s: float) -> dict:
@@ -337,8 +338,9 @@ def _plain_run(tb: Testbed, args: argparse.Namespace, logdir: Path, procs: list[
 
 
 def _floor(tb: Testbed, size: int, args: argparse.Namespace, logdir: Path,
-           procs: list[Proc]) -> tuple[float, float]:
-    """Median time of the floor's iterations (slowest worker each), and how busy the machine was."""
+           procs: list[Proc]) -> tuple[float, float, float]:
+    """Median time of the floor's iterations (slowest worker each), and how busy the machine
+    was (and of that, stolen)."""
     nbytes = size // tb.servers
     addrs = ",".join(f"{tb.host_addr(s)}:{FLOOR_PORT}" for s in tb.server_names)
     per_worker = _plain_run(
@@ -347,13 +349,13 @@ def _floor(tb: Testbed, size: int, args: argparse.Namespace, logdir: Path,
                  str(args.warmup + args.iters)]) for name in tb.server_names],
         [(name, ["worker", addrs, str(nbytes), str(args.iters), str(args.warmup)]) for name in tb.worker_names])
     floor_s = statistics.median(max(w["times"][i] for w in per_worker) for i in range(args.iters))
-    return floor_s, per_worker[0]["busy"]
+    return floor_s, per_worker[0]["busy"], per_worker[0]["steal"]
 
 
 def _fanin_floor(tb: Testbed, warmup: int, calls: int, args: argparse.Namespace, logdir: Path,
                  procs: list[Proc], turn: int) -> dict:
     """The plain-socket fan-in through s0: time per call (slowest worker per block, median
-    of the blocks) and how busy the machine was."""
+    of the blocks) and how busy the machine was (and of that, stolen)."""
     host = tb.server_names[0]
     addr = f"{tb.host_addr(host)}:{FLOOR_PORT}"
     per_worker = _plain_run(
@@ -363,7 +365,7 @@ def _fanin_floor(tb: Testbed, warmup: int, calls: int, args: argparse.Namespace,
         [(name, ["fanin-worker", addr, str(rank), str(tb.workers), str(warmup), str(calls)])
          for rank, name in enumerate(tb.worker_names)])
     per_call = statistics.median(max(w["per_call"][k] for w in per_worker) for k in range(B2B_ROUNDS))
-    return {"s": per_call, "busy": per_worker[0]["busy"]}
+    return {"s": per_call, "busy": per_worker[0]["busy"], "steal": per_worker[0]["steal"]}
 
 
 def _fanin_reducers(tb: Testbed, warmup: int, calls: int, args: argparse.Namespace, logdir: Path,

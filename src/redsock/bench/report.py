@@ -114,6 +114,11 @@ class Row:
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
+def percent(x: float | None) -> str:
+    """A share 0..1 as a whole percentage; "-" for none."""
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
 def human_size(n: float, sep: str = " ") -> str:
     """8 -> "8 B", 1024 -> "1 KiB", 1536 -> "1.5 KiB", 64 << 20 -> "64 MiB" (binary units).
 

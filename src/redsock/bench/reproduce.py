@@ -389,11 +389,6 @@ def _r(x: float | None, fmt: str = "{:.2f}x") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def percent(x: float | None) -> str:
-    """A share 0..1 as a whole percentage; "-" for none."""
-    return "-" if x is None else f"{100 * x:.0f}%"
-
-
 def transport_table(points: Sequence[TransportPoint]) -> str:
     """Markdown: throughput against the classes' goodput, and the Fast Socket ratios."""
     lines = [("| size | configuration | classes hit | Gbit/s | bound Gbit/s | / bound | dynamic / static | "
@@ -508,7 +503,7 @@ def allreduce_table(points: Sequence[ArPoint]) -> str:
                      f"| {r.algbw_GBps:.4f} | {r.busbw_GBps:.4f} | {_r(p.bound_GBps, '{:.4f}')} "
                      f"| {_r(None if p.of_bound is None else 100 * p.of_bound, '{:.1f}%')} "
                      f"| {_r(p.over_gloo)} | {_r(p.ideal_over_gloo)} | {_r(p.over_one_socket)} "
-                     f"| {percent(r.extra.get('machine_busy'))} |")
+                     f"| {report.percent(r.extra.get('machine_busy'))} |")
     return "\n".join(lines)
 
 
@@ -699,13 +694,13 @@ def _headline_allreduce(rows: list[Any]) -> list[tuple[str, str, str]]:
         ring = big.get("ring")
         if ring and ring.over_one_socket is not None:
             out.append((f"Fast Socket ring vs 1 socket ({where})",
-                        f"{_r(ring.over_one_socket)}; ring at {percent(ring.of_bound)} of its bound",
+                        f"{_r(ring.over_one_socket)}; ring at {report.percent(ring.of_bound)} of its bound",
                         "1.00x on uniform links (one flow fills a link)" if profile == "uniform"
                         else "sum of the classes hit / the slowest class"))
         srv = big.get("server")
         if srv:
             out.append((f"Reducers vs gloo algbw ({where})",
-                        f"{_r(srv.over_gloo)}; reducers at {percent(srv.of_bound)} of link goodput",
+                        f"{_r(srv.over_gloo)}; reducers at {report.percent(srv.of_bound)} of link goodput",
                         f"ideal {_r(srv.ideal_over_gloo)} = 2(N-1)/N"))
     return out
 
@@ -720,7 +715,7 @@ def _headline_multirank(rows: list[Any]) -> list[tuple[str, str, str]]:
             if p.row.bytes == top and not p.series.startswith("gloo"):
                 mine = host_nic_factor(p.inter, n, hosts, p.scheme)
                 out.append((f"{p.label} vs gloo's flat ring ({where})",
-                            f"{_r(p.over_gloo)}; at {percent(p.of_bound)} of its bound",
+                            f"{_r(p.over_gloo)}; at {report.percent(p.of_bound)} of its bound",
                             f"ideal {_r(p.ideal_over_gloo)} (bytes per host link: gloo "
                             f"{traffic_factor('gloo', n, hosts):.2f} S, this "
                             + (f"{mine:.2f} S)" if mine else "no closed form)")))

@@ -70,13 +70,14 @@ class Proc:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def cpu_line(wall_s: float, rank_cpu_s: float, server_cpu_s: float, busy: float) -> str:
+def cpu_line(wall_s: float, rank_cpu_s: float, server_cpu_s: float, busy: float, steal: float) -> str:
     """The testbed benchmarks' CPU line; reproduce and ``plan --lab`` read it back from their
     logs with :data:`CPU_SHARE_RE` and :data:`MACHINE_BUSY_RE`."""
     ncpu = os.cpu_count() or 1
     return (f"# CPU over {wall_s:.1f} s: ranks {rank_cpu_s:.1f} s, reducers {server_cpu_s:.1f} s "
             f"(= {100 * (rank_cpu_s + server_cpu_s) / (wall_s * ncpu):.0f}% of {ncpu} cores); "
-            f"whole machine busy {100 * busy:.0f}% (includes anything else running)")
+            f"whole machine busy {100 * busy:.0f}% (includes anything else running, and {100 * steal:.0f}% "
+            "stolen by the hypervisor)")
 
 
 #: A benchmark that kept the whole machine this busy measured its cores, not its links (the

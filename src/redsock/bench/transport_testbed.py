@@ -82,7 +82,7 @@ from ..errors import ConfigError, RedsockError
 from ..testbed import netns as nx
 from ..testbed.cluster import PairTestbed
 from ..testbed.netns import parse_rate, path_class
-from .procs import box_cpu
+from .procs import box_cpu, cpu_shares
 from .testbed_launch import GOODPUT_FACTOR
 from .transport import (
     ACK_TAG, DATA_TAG, PLAN_BYTES, PLAN_TAG, TransportRow, _cases, _human, _many, _PlainConn, open_session,
@@ -225,7 +225,7 @@ def drive_with_stats(conn: Any, cases: list[dict]) -> list[dict]:
                 _many(conn, "send", view, case["iters"], DATA_TAG)
                 conn.recv(ack, ACK_TAG)
                 t1 = time.perf_counter()
-            cpu1, own1 = box_cpu(), os.times()
+            (busy, steal), own1 = cpu_shares(cpu0, box_cpu()), os.times()
             if isinstance(conn, _PlainConn):
                 sent, slices, tails = [case["bytes"] * case["iters"]], [0], [0.0]
             else:
@@ -235,7 +235,7 @@ def drive_with_stats(conn: Any, cases: list[dict]) -> list[dict]:
             reps.append({
                 "seconds": t1 - t0, "bytes_per_stream": sent, "slices_per_stream": slices,
                 "tail_s": tails,
-                "machine_cpu": (cpu1[0] - cpu0[0]) / max(1.0, cpu1[1] - cpu0[1]),
+                "machine_cpu": busy, "machine_steal": steal,
                 "driver_cpu_s": (own1.user + own1.system) - (own0.user + own0.system),
             })
         results.append({**case, "reps_detail": reps,
@@ -278,6 +278,7 @@ def run_drive(addr: tuple[str, int], impl: str, config: Config, sizes: list[int]
                 "tail_ms": [statistics.median(d["tail_s"][i] for d in detail) * 1e3 for i in range(n)],
                 "rep_gbps": [r["bytes"] * r["iters"] * 8 / d["seconds"] / 1e9 for d in detail],
                 "machine_cpu": statistics.median(d["machine_cpu"] for d in detail),
+                "machine_steal": statistics.median(d["machine_steal"] for d in detail),
                 "driver_cpu": sum(d["driver_cpu_s"] for d in detail) / total_s,
                 "payload_bytes": r["bytes"] * r["iters"] * r["reps"],
             }))

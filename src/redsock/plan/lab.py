@@ -221,7 +221,7 @@ def markdown(checks: list[Check], min_bytes: int = 0) -> str:
 
 def _busy(r: Row) -> str:
     """How busy the whole machine and the row's ranks were while it was timed (what decides CPU-bound)."""
-    return " / ".join(reproduce.percent(r.extra.get(k)) for k in ("machine_busy", "ranks_busy"))
+    return " / ".join(report.percent(r.extra.get(k)) for k in ("machine_busy", "ranks_busy"))
 
 
 # ----------------------------------------------------------------------------- DDP training

@@ -246,8 +246,6 @@ class Connection:
         self._crx_owner: Handle | _Unexpected | None = None
         self._crx_key = (0, 0)
         self._crx_abort = False
-        self._ctrl_poll = select.poll()
-        self._ctrl_poll.register(ctrl.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
         # A waiter sleeps in its read of the control stream (a blocking socket, with a receive
         # timeout so that it looks at its deadline): the reply's arrival wakes it with the bytes.
         ctrl.settimeout(None)
@@ -473,8 +471,7 @@ class Connection:
         with self._ctrl_rx_lock:  # a waiter holding it reads its message first, or meets the EOF itself
             try:
                 while self._error is None and time.monotonic() < deadline:
-                    if not self._pump_ctrl():
-                        self._ctrl_poll.poll(100)
+                    self._crx.pump(self, wait=True)  # sleeps in the read while nothing comes
             except TransportError as e:
                 if e.op == "peer abort":  # the peer said why it closed
                     self._abort(e, notify_peer=False)

@@ -111,8 +111,7 @@ def check_dtype(dtype: DTypeLike) -> np.dtype:
 
 def dtype_code(dtype: DTypeLike) -> int:
     """The one-byte wire code of ``dtype``; :class:`ConfigError` if unsupported."""
-    code = _CODE_OF.get(dtype) if isinstance(dtype, np.dtype) else None  # the common case: no call
-    return _CODE_OF[check_dtype(dtype)] if code is None else code
+    return _CODE_OF[check_dtype(dtype)]
 
 
 def dtype_from_code(code: int) -> np.dtype:

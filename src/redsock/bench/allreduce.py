@@ -188,7 +188,7 @@ def _ranks_busy(comm, cpu_s: float, wall_s: float) -> float:
     return round(float(both[0] / max(both[1], 1e-9) / (os.cpu_count() or 1)), 3)
 
 
-def _machine_busy(comm, before: BoxCpu, after: BoxCpu) -> tuple[float, float]:
+def _machine_shares(comm, before: BoxCpu, after: BoxCpu) -> tuple[float, float]:
     """The shares of the whole machine's cores busy, and stolen by the hypervisor, while one
     row was timed (rank 0's reading of /proc/stat, on every rank): unlike ``ranks_busy`` it
     counts the reducers, the kernel's network work and anything else running."""
@@ -225,7 +225,7 @@ def run_rank(args: argparse.Namespace) -> int:
                 cpu0, wall0, box0 = time.process_time(), time.perf_counter(), box_cpu()
                 times = _time_algo(fn, x, warm, iters, comm, args.back_to_back)
                 busy = _ranks_busy(comm, time.process_time() - cpu0, time.perf_counter() - wall0)
-                machine, steal = _machine_busy(comm, box0, box_cpu())
+                machine, steal = _machine_shares(comm, box0, box_cpu())
                 wrong = _check(fn, count, dtype, op, rank, world, comm) if args.check else -1
                 extra = route(comm, nbytes, algo) if algo != "gloo" else {"scheme": "flat", "inter": "ring"}
                 extra["ranks_busy"] = busy

@@ -169,6 +169,29 @@ def server_async(comm, rank, world):
     digest(xs[2])
 
 
+def server_sync_among_async(comm, rank, world):
+    """Small synchronous all-reduces while asynchronous ones are in flight on the same reducer
+    connections (their results arrive on the control stream the synchronous caller reads), and
+    calls that some ranks make synchronously and the others asynchronously."""
+    for rep in range(4):
+        xs = [np.full(n, rank + i + rep, np.int64) for i, n in enumerate((3, 1000, 70_000))]
+        works = [comm.all_reduce(x, algorithm="server", async_op=True) for x in xs]
+        for i, n in enumerate((1, 125, 1000)):  # 8 B, 1000 B, 8000 B
+            y = np.full(n, (rank + 1) * (i + 2) + rep, np.int64)
+            comm.all_reduce(y, algorithm="server")
+            assert np.all(y == sum((r + 1) * (i + 2) + rep for r in range(world))), (rep, n)
+        z = np.full(500, 2 * rank - rep, np.float64)
+        w = comm.all_reduce(z, algorithm="server", async_op=rank % 2 == 0)
+        if w is not None:
+            w.wait(60)
+        assert np.all(z == sum(2 * r - rep for r in range(world))), rep
+        for w in works:
+            w.wait(60)
+        for i, x in enumerate(xs):
+            assert np.all(x == sum(r + i + rep for r in range(world))), (rep, i)
+    digest(z)
+
+
 def server_overlap(comm, rank, world):
     """Rank 0 starts two async all-reduces at once; the last rank joins only when the test has
     seen the second call reach the reducer (TEST_GO_FILE), i.e. before the first one's results."""

@@ -369,6 +369,16 @@ def test_every_message_in_slices_when_inline_is_off(reducers):
                                          "REDSOCK_PIECE_BYTES": "64K", "TEST_REPS": "2"}))
 
 
+@pytest.mark.parametrize("reducer_inline", [None, "1024"])
+def test_small_synchronous_calls_among_asynchronous_ones(reducers, reducer_inline):
+    # With a reducer that takes less inline than the workers (1 KiB), a 1000 B call's piece
+    # follows its 48 B announce inline, and an 8000 B one's goes in slices: the same answers.
+    _, servers = reducers(2, env={"REDSOCK_INLINE_BYTES": reducer_inline} if reducer_inline else None)
+    outs = run_world("server_sync_among_async", 3, env={"REDSOCK_SERVERS": servers})
+    ok(outs)
+    assert len({tuple(digests(out)) for _, out, _ in outs}) == 1
+
+
 def test_reducer_answers_liveness_probes():
     with ReductionServer("127.0.0.1", 0, config=Config(timeout_s=10)) as server:
         with connect(server.address, config=Config(timeout_s=10), name="prober") as c:

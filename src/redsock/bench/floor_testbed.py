@@ -15,9 +15,10 @@ pattern instead, for each worker count N of ``--workers`` on a testbed of N
 worker hosts and ``--servers`` (default N) reducer hosts, the shape of the
 reducers' own runs: every worker sends 8 bytes to one plain-socket reducer
 process on s0, which sends the (checked) sum back to each; then redsock's
-``server`` all-reduce of 8 bytes and gloo's on the same hosts; the two in
-alternating turns, each one's fastest turn counting.  Every figure is per call
-of back-to-back calls, slowest rank, as ``bench allreduce --back-to-back`` times them.  So the reducers are compared
+``server`` all-reduce of 8 bytes and gloo's on the same hosts.  The three run
+in alternating turns (floor, reducers, gloo; again), each one's fastest turn
+counting.  Every figure is per call of back-to-back calls, slowest rank, as
+``bench allreduce --back-to-back`` times them.  So the reducers are compared
 with plain sockets on the same veths, bridge and shapers, in one run: the
 loopback fan-in (``bench floor --mode fanin``) has none of those hops.
 

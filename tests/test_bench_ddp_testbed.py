@@ -51,7 +51,6 @@ def test_summary_takes_medians_and_counts_reducer_hosts():
     assert (gloo["machine_steal"], server["machine_steal"]) == (0.05, 0.0)  # medians, as busy
     text = ddp_testbed.format_summary(rows, workers=4, rate=10**9)
     assert next(x for x in text.splitlines() if x.split()[0] == "gloo").split()[-4:-3] == ["5%"]
-    text = ddp_testbed.format_summary(rows, 4, 10**9)
     assert "1.50" in text and "1 Gbit/s" in text and "RTOs" in text
     assert text.splitlines()[-1].split()[7] == "3"  # the server row's RTO column
 

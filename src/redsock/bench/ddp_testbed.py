@@ -158,7 +158,7 @@ def format_summary(rows: Sequence[dict[str, Any]], workers: int, rate: int, rank
         runs = " ".join(f"{x:.3f}" for x in o["runs"])
         lines.append(f"{o['algo']:>8} {o['steps_per_s']:9.3f} {vs:>7} {o['hosts']:>6} {o['host_s_per_step']:12.2f}"
                      f" {cost:>12} {o['final_loss']:8.4f} {o['tcp_timeouts']:5d} {report.percent(o['machine_busy']):>5}"
-                     f" {report.percent(o.get('machine_steal')):>5}  {runs}")
+                     f" {report.percent(o['machine_steal']):>5}  {runs}")
     return "\n".join(lines)
 
 

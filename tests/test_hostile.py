@@ -91,7 +91,8 @@ def _attack(addr, stop: threading.Event, log: list):
                 c._data[0].sendall(wire.encode_slice(wire.ANNOUNCE_TAG, 0, 1 << 62, 0, 1 << 20))
             else:
                 bogus = wire.Announce(job=1, op_seq=0, dtype_code=99, op_code=1, world=2, rank=0, flags=0,
-                                      count=10, piece_elems=10, nservers=1, server_index=0).encode()
+                                      count=10, piece_elems=10, nservers=1, server_index=0,
+                                      timeout_ms=5000).encode()
                 c.isend(bogus, wire.ANNOUNCE_TAG)
             time.sleep(0.05)
             c.close()
@@ -124,7 +125,8 @@ def test_reducer_survives_hostile_clients_while_a_job_runs():
 
 def _announce(conn, job, rank, world=2, op_seq=0):
     ann = wire.Announce(job=job, op_seq=op_seq, dtype_code=ops.dtype_code(np.float32), op_code=ops.ReduceOp.SUM.code,
-                        world=world, rank=rank, flags=0, count=4, piece_elems=4, nservers=1, server_index=0)
+                        world=world, rank=rank, flags=0, count=4, piece_elems=4, nservers=1, server_index=0,
+                        timeout_ms=5000)
     conn.send(ann.encode(), wire.ANNOUNCE_TAG, timeout=5)
 
 
@@ -164,7 +166,7 @@ def test_a_piece_beyond_its_announce_cuts_the_connection():
             c.send(np.ones(4, np.float32), wire.piece_tag(0, 0), timeout=5)  # ahead of its announce
             ann = wire.Announce(job=333, op_seq=0, dtype_code=ops.dtype_code(np.float32),
                                 op_code=ops.ReduceOp.SUM.code, world=1, rank=0, flags=0, count=4, piece_elems=4,
-                                nservers=1, server_index=0)
+                                nservers=1, server_index=0, timeout_ms=5000)
             c.send(ann.encode() + np.ones(4, np.float32).tobytes(), wire.ANNOUNCE_TAG, timeout=5)
             with pytest.raises(RedsockError):
                 c.recv(np.empty(4, np.float32), wire.piece_tag(0, 0), timeout=5)

@@ -300,7 +300,7 @@ def test_listener_rejects_garbage_and_wrong_version_and_keeps_serving():
     cfg = Config(timeout_s=10)
     with Listener(config=cfg) as listener:
         _raw(listener.address, b"GET / HTTP/1.1\r\n\r\n" + bytes(100))
-        bad = wire.Hello(wire.StreamKind.CONTROL, 0, 4, 1, bytes(16), "old", version=2).encode()
+        bad = wire.Hello(wire.StreamKind.CONTROL, 0, 4, 1, bytes(16), "old", version=wire.VERSION + 1).encode()
         reply = _raw(listener.address, bad)
         assert reply[:4] == b"RSCK"  # answered in its own version so the peer can say why
         deadline = time.monotonic() + 5
@@ -329,8 +329,8 @@ def test_bare_connect_and_close_is_a_probe_not_a_rejected_stream(caplog):
 
 def test_wrong_version_is_reported_by_the_connecting_side(monkeypatch):
     with Listener(config=Config(timeout_s=10)) as listener:
-        monkeypatch.setattr(wire, "VERSION", 2)
-        with pytest.raises(ProtocolError, match="version 1, this side 2"):
+        monkeypatch.setattr(wire, "VERSION", wire.VERSION + 1)
+        with pytest.raises(ProtocolError, match=f"version {wire.VERSION - 1}, this side {wire.VERSION}"):
             connect(listener.address, config=Config(timeout_s=10))
 
 
@@ -773,3 +773,45 @@ def test_the_peers_reason_survives_a_stream_failure_while_a_waiter_reads_the_con
         client._ctrl_rx_lock.release()
     with pytest.raises(TransportError, match=r"\[failed ranks: 5\] rank 0 gives up"):
         h.wait(10)
+
+
+class _ControlStreamThatBreaks:
+    """The control socket, except that every ``sendmsg`` meets ``error`` (as a reset or a
+    stopped peer makes it do); everything else goes to the real socket."""
+
+    def __init__(self, sock, error):
+        self._sock, self._error = sock, error
+
+    def sendmsg(self, *args, **kwargs):
+        raise self._error
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+@pytest.mark.parametrize("error", [ConnectionResetError(104, "Connection reset by peer"),
+                                   BrokenPipeError(32, "Broken pipe"), OSError(113, "No route to host")])
+def test_a_small_send_that_meets_a_broken_control_stream_fails_it_and_returns(make_pair, error):
+    """The inline path writes from the caller's thread under the control stream's send lock; an
+    error there must fail the connection after letting go of that lock (failing takes it to fail
+    the backlog: a worker once hung there for good when its reducer stopped)."""
+    client, server = make_pair(nsocks=2)
+    client._ctrl = _ControlStreamThatBreaks(client._ctrl, error)
+    pending = client.irecv(np.zeros(8, np.uint8), tag=1)  # must fail too, with the same cause
+    outcome = {}
+
+    def small_send():
+        try:
+            client.isend(np.ones(8, np.uint8), tag=1)
+        except BaseException as e:  # noqa: BLE001 - the test reports whatever came out
+            outcome["error"] = e
+
+    t = threading.Thread(target=small_send, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "a small send deadlocked failing its own connection"
+    assert isinstance(outcome.get("error"), TransportError), outcome
+    with pytest.raises(TransportError):
+        pending.wait(5)
+    with pytest.raises(TransportError, match="connection is down"):  # and the connection stays failed
+        client.isend(np.ones(8, np.uint8), tag=2)

@@ -49,7 +49,7 @@ def test_hello_rejects(mutate, message):
 
 
 def test_wrong_version_carries_status():
-    b = hello(version=2).encode()
+    b = hello(version=wire.VERSION + 1).encode()
     with pytest.raises(ProtocolError) as e:
         wire.decode_hello(b)
     assert e.value.status == wire.Status.BAD_VERSION
@@ -127,7 +127,20 @@ def test_announce_round_trips_and_unknown_flag_bits_are_refused():
                                     valid_op=ops.ReduceOp.from_code)
 
     ann = wire.Announce(job=7, op_seq=3, dtype_code=1, op_code=1, world=4, rank=1, flags=wire.FLAG_DETERMINISTIC,
-                        count=1000, piece_elems=64, nservers=3, server_index=2)
+                        count=1000, piece_elems=64, nservers=3, server_index=2, timeout_ms=1500)
     assert decode(ann.encode()) == ann
     with pytest.raises(ProtocolError, match="unknown bits 0x4"):
         decode(ann._replace(flags=4 | wire.FLAG_DETERMINISTIC).encode())
+    with pytest.raises(ProtocolError, match="zero timeout"):
+        decode(ann._replace(timeout_ms=0).encode())
+    assert wire.timeout_ms(0.0001) == 1 and wire.timeout_ms(15) == 15000 and wire.timeout_ms(1e12) == wire.MAX_TIMEOUT_MS
+
+
+def test_failure_reasons_name_ranks_or_a_reducer_through_any_wrapping():
+    inner = wire.failed_reducer_reason("198.18.0.101:7700", "rank 0 gives up all-reduce #3: timeout")
+    relayed = wire.failed_ranks_reason((), f"reduction server: worker rank 0 gave up (peer aborted: {inner})")
+    outer = f"reduction server 198.18.0.102:7700 aborted the connection: {relayed}"
+    assert wire.failed_ranks_in(outer) is None  # names no rank: nobody is to blame but the reducer
+    assert wire.failed_reducer_in(outer) == "198.18.0.101:7700"
+    assert wire.failed_reducer_in("recv with reduction server 198.18.0.101:7700: timeout") is None
+    assert wire.failed_ranks_in(wire.failed_ranks_reason([3, 1, 3], "x")) == (1, 3)

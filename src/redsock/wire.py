@@ -31,7 +31,7 @@ from typing import NamedTuple
 from .errors import AuthError, ProtocolError
 
 MAGIC = b"RSCK"
-VERSION = 1
+VERSION = 2  # 2: the reducer's Announce carries the worker's timeout
 NONCE_BYTES = 16
 MAC_BYTES = 32
 NAME_BYTES = 32
@@ -249,6 +249,21 @@ def failed_ranks_in(reason: str) -> tuple[int, ...] | None:
     return ranks or None
 
 
+_FAILED_REDUCER = re.compile(r"\[failed reducer: ([^\]\s]+)\]")
+
+
+def failed_reducer_reason(address: str, why: str) -> str:
+    """An abort reason that names the reducer its sender found failed, so that a worker that
+    hears of it through another reducer names that one, not the messenger."""
+    return f"[failed reducer: {address}] {why}"
+
+
+def failed_reducer_in(reason: str) -> str | None:
+    """The reducer a :func:`failed_reducer_reason` names (anywhere in ``reason``), or None."""
+    m = _FAILED_REDUCER.search(reason)
+    return m.group(1) if m else None
+
+
 def decode_ctrl(data: bytes | memoryview, max_inline: int) -> CtrlRecord:
     if len(data) != CTRL_SIZE:
         raise ProtocolError(f"control record is {len(data)} bytes, expected {CTRL_SIZE}")
@@ -303,7 +318,7 @@ ANNOUNCE_TAG = 1
 PIECE_BITS = 24
 MAX_PIECES = (1 << PIECE_BITS) - 1
 MAX_WORLD = 1 << 14
-_ANNOUNCE = struct.Struct("<4sQQBBHHHQQHH")
+_ANNOUNCE = struct.Struct("<4sQQBBHHHQQHHI")
 ANNOUNCE_SIZE = _ANNOUNCE.size
 FLAG_DETERMINISTIC = 1
 KNOWN_FLAGS = FLAG_DETERMINISTIC
@@ -323,6 +338,9 @@ class Announce(NamedTuple):
     piece_elems: int  # elements per piece (the last may be shorter)
     nservers: int
     server_index: int  # this server owns pieces i with i % nservers == server_index
+    # The worker's no-progress timeout (REDSOCK_TIMEOUT_S) in ms: the reducer gives up on the
+    # round by then, so that a worker's wait and the reducer's deadline are one deadline.
+    timeout_ms: int
 
     def encode(self) -> bytes:
         return encode_announce(*self)
@@ -340,17 +358,25 @@ class Announce(NamedTuple):
 
 
 def encode_announce(job: int, op_seq: int, dtype_code: int, op_code: int, world: int, rank: int, flags: int,
-                    count: int, piece_elems: int, nservers: int, server_index: int) -> bytes:
+                    count: int, piece_elems: int, nservers: int, server_index: int, timeout_ms: int) -> bytes:
     """:meth:`Announce.encode` without building the Announce (a small call's hot path)."""
     return _ANNOUNCE.pack(MAGIC, job, op_seq, dtype_code, op_code, world, rank, flags, count, piece_elems,
-                          nservers, server_index)
+                          nservers, server_index, timeout_ms)
+
+
+def timeout_ms(timeout_s: float) -> int:
+    """A timeout as an Announce carries it (whole ms, at least 1, at most ~49 days)."""
+    return max(1, min(MAX_TIMEOUT_MS, round(timeout_s * 1000)))
+
+
+MAX_TIMEOUT_MS = (1 << 32) - 1
 
 
 def decode_announce(data: bytes | memoryview, *, max_elements: int, valid_dtype, valid_op) -> Announce:
     """Validate every field; ``valid_dtype``/``valid_op`` raise on unknown codes."""
     if len(data) != ANNOUNCE_SIZE:
         raise ProtocolError(f"announce is {len(data)} bytes, expected {ANNOUNCE_SIZE}")
-    magic, job, op_seq, dt, op, world, rank, flags, count, piece, nservers, index = _ANNOUNCE.unpack(data)
+    magic, job, op_seq, dt, op, world, rank, flags, count, piece, nservers, index, timeout = _ANNOUNCE.unpack(data)
     if magic != MAGIC:
         raise ProtocolError(f"bad announce record (magic {magic!r})")
     valid_dtype(dt)
@@ -365,7 +391,9 @@ def decode_announce(data: bytes | memoryview, *, max_elements: int, valid_dtype,
         raise ProtocolError(f"announce flags {flags:#x}: unknown bits {flags & ~KNOWN_FLAGS:#x}")
     if op_seq >= (1 << (64 - PIECE_BITS)) - 1:
         raise ProtocolError(f"operation number {op_seq} out of range")
-    return Announce(job, op_seq, dt, op, world, rank, flags, count, piece, nservers, index)
+    if timeout == 0:
+        raise ProtocolError("announce with a zero timeout")
+    return Announce(job, op_seq, dt, op, world, rank, flags, count, piece, nservers, index, timeout)
 
 
 def piece_tag(op_seq: int, piece: int) -> int:

@@ -385,8 +385,8 @@ class Communicator:
             self.peers.fail(reason)
             if self.hier is not None:  # local ranks wait in shared memory: wake them with the reason
                 self.hier.fail(reason)
-            if self.servers is not None:  # nothing more will be asked of the reducers
-                self.servers.close()
+            if self.servers is not None:  # nothing more will be asked of the reducers: tell them why
+                self.servers.close(reason)
         return failure
 
     def _check_usable(self) -> None:

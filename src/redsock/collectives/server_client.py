@@ -84,14 +84,20 @@ class ServerGroup:
     def name(self, i: int) -> str:
         return "%s:%d" % self.addresses[i]
 
-    def close(self) -> None:
+    def close(self, reason: str | None = None) -> None:
+        """Close every connection; with ``reason``, tell each reducer why first (a worker that
+        gives up because of another reducer or rank passes that diagnosis on, rather than
+        looking like the rank that failed)."""
         with self._lock:
-            for c in self._conns:
-                if c is not None:
-                    c.close()
+            conns = self._conns
             self._conns = [None] * len(self.addresses)
             # Fresh queues: a call still posting keeps the old one, whose handles now fail.
             self.in_flight = [deque() for _ in self.addresses]
+        for c in conns:  # failing a connection takes its locks: not under ours
+            if c is not None:
+                if reason is not None:
+                    c.abort(reason)
+                c.close()
 
 
 def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Finish | None:
@@ -180,10 +186,14 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
     def failed(e: TransportError) -> NoReturn:
         # Receives may still be posted into x on the other servers' connections: closing
         # them all guarantees no late result lands in x.  The next call reconnects.
-        group.close()
-        if wire.failed_ranks_in(str(e)) is not None:
-            raise e  # the server diagnosed a failed worker: the communicator names it
-        raise PeerFailure(f"reduction server {group.name(server)} failed: {e}") from e
+        told = wire.failed_ranks_in(str(e))
+        if told is not None:  # the server diagnosed a failed worker: the communicator names it
+            group.close(wire.failed_ranks_reason(told, f"rank {ctx.rank} gives up all-reduce #{ctx.seq}: {e}"))
+            raise e
+        culprit = wire.failed_reducer_in(str(e)) or group.name(server)  # another worker may have found it
+        failure = PeerFailure(f"reduction server {culprit} failed: {e}")
+        group.close(wire.failed_reducer_reason(culprit, f"rank {ctx.rank} gives up all-reduce #{ctx.seq}: {failure}"))
+        raise failure from e
 
     if npieces == 1:
         try:
@@ -208,7 +218,7 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
         fused = set()
         for server in used:
             ann = wire.Announce(group.job, ctx.seq, ops.dtype_code(x.dtype), op.code, ctx.world, ctx.rank, flags,
-                                xf.size, piece, nserv, server)
+                                xf.size, piece, nserv, server, wire.timeout_ms(ctx.timeout_s))
             record = ann.encode()
             p = server
             if p + nserv >= npieces and wire.ANNOUNCE_SIZE + _piece_nbytes(xf, piece, p) <= conns[server].inline_bytes:
@@ -256,7 +266,7 @@ def _one_record(ctx: CallContext, group: ServerGroup, conn: Connection, xf: np.n
         _take_credit(in_flight, ctx.timeout_s)
         in_flight.append(result)
         record = wire.encode_announce(group.job, ctx.seq, ops.dtype_code(xf.dtype), op.code, ctx.world, ctx.rank,
-                                      flags, xf.size, piece, nserv, 0) + xf.tobytes()
+                                      flags, xf.size, piece, nserv, 0, wire.timeout_ms(ctx.timeout_s)) + xf.tobytes()
         sent = conn.isend(record, wire.ANNOUNCE_TAG)
     except TransportError as e:
         failed(e)

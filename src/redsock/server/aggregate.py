@@ -151,6 +151,9 @@ class Round:
     last_progress: float = field(default_factory=time.monotonic)
     contributors: set[int] = field(default_factory=set)  # ranks that announced it
     done_pieces: int = 0
+    # How long the round may go without progress: the shortest of this server's timeout and
+    # those its workers announced (each waits that long for its results).
+    timeout_s: float = float("inf")
 
     def missing_ranks(self) -> list[int]:
         """Ranks that have not delivered every piece (not announced, or stuck mid-way)."""

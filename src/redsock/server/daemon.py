@@ -42,6 +42,13 @@ log = logging.getLogger("redsock.server")
 
 WINDOW = 4  # pieces a worker may have outstanding per server (workers use the same number)
 SHUTDOWN_REASON = "reduction server shutting down"
+#: A round is given up this long after its timeout, so that a worker that stopped sending
+#: because it is stuck on another reducer (it gives up after its timeout and a probe of at
+#: most a second) tells this one why first, and is not blamed for it.  Workers wait for the
+#: diagnosis longer than this (``redsock.transport.connection.RELAY_GRACE_S``).
+DIAGNOSIS_MARGIN_S = 2.0
+#: How often stalled rounds are looked for (part of how late a diagnosis can come).
+REAP_INTERVAL_S = 0.25
 
 
 @dataclass
@@ -250,6 +257,7 @@ class ReductionServer:
             if ann.rank in rnd.contributors:
                 raise ProtocolError(f"job {ann.job:#x} rank {ann.rank} announced #{ann.op_seq} twice")
             rnd.contributors.add(ann.rank)
+            rnd.timeout_s = min(rnd.timeout_s, self.config.timeout_s, ann.timeout_ms / 1000)
             rnd.last_progress = time.monotonic()
             return rnd
 
@@ -321,7 +329,13 @@ class ReductionServer:
             del job.links[rank]
             busy = [k for k in self._rounds if k[0] == job_id]
         if busy:
-            self._abort_job(job_id, [rank], f"worker rank {rank} of job {job_id:#x} failed ({err})")
+            if isinstance(err, TransportError) and err.op == "peer abort":
+                # The worker gave up and said why (a rank or a reducer it found failed): pass
+                # its diagnosis on; it failed only as a consequence and is not to be blamed.
+                told = wire.failed_ranks_in(str(err))
+                self._abort_job(job_id, list(told or ()), f"worker rank {rank} gave up ({err})")
+            else:
+                self._abort_job(job_id, [rank], f"worker rank {rank} of job {job_id:#x} failed ({err})")
             return
         log.info("job %#x rank %d left", job_id, rank)
         with self._lock:
@@ -349,15 +363,15 @@ class ReductionServer:
             self._metrics.aborts.inc()
 
     def _reap_stalled(self) -> None:
-        while not self._closed.wait(min(1.0, self.config.timeout_s / 4)):
+        while not self._closed.wait(REAP_INTERVAL_S):
             now = time.monotonic()
             with self._lock:
                 stalled = [r for r in self._rounds.values()
-                           if now - r.last_progress > self.config.timeout_s]
+                           if now - r.last_progress > r.timeout_s + DIAGNOSIS_MARGIN_S]
             for rnd in stalled:
                 missing = rnd.missing_ranks()
                 self._abort_job(rnd.job, missing, f"all-reduce #{rnd.op_seq} got nothing from rank(s) "
-                                f"{', '.join(map(str, missing))} for {self.config.timeout_s:g}s")
+                                f"{', '.join(map(str, missing))} for {rnd.timeout_s:g}s (the job's timeout)")
 
 
 def _ignore(signum: int, frame: object) -> None:

@@ -215,7 +215,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         self.comm = comm
         self.group_id = group_id
         self.global_ranks = list(global_ranks)
-        self._tracker = Tracker()
+        self._tracker = Tracker(f"redsock-r{comm.rank}")
         self._lanes = _Lanes(f"r{comm.rank}")
         self._shut = False
         self._group_name = group_id
@@ -756,6 +756,7 @@ class ProcessGroupRedsock(dist.ProcessGroup):
         self._shut = True
         self._lanes.shutdown()
         self.comm.close()
+        self._tracker.close()
 
     def abort(self) -> None:
         self.shutdown()

@@ -1,4 +1,12 @@
-"""``dist.Work`` objects for redsock operations, completed from the communicator's threads.
+"""``dist.Work`` objects for redsock operations, completed off the communicator's threads.
+
+Where user code runs: a Work's future runs its ``then()`` callbacks (DDP's comm hooks,
+torch's PowerSGD, user code) when it is set, and such a callback may start another
+collective of the same group and wait for it.  So an operation that finishes on one of the
+communicator's threads opens the Work's ``wait()`` there (no user code) and sets the future
+on the Tracker's completion threads, never on a thread the nested collective needs (as gloo
+and NCCL complete theirs on threads of their own).  A synchronous call completes in the
+caller's thread, as before: that thread is the user's anyway.
 
 Why not ``_create_work_from_future``: in torch 2.13 the Work it returns reports
 success from ``wait()`` even when the future failed, and a Python
@@ -13,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Executor, Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -86,7 +94,7 @@ class RedsockWork(dist.Work):
     def result(self) -> list[torch.Tensor]:
         """The output tensors (after :meth:`wait`)."""
         self.wait()
-        value = self.get_future().value()
+        value = self.get_future().wait()  # set just after wait() returns, maybe on another thread
         return list(value) if isinstance(value, (list, tuple)) else [value]
 
     def source_rank(self) -> int:
@@ -111,21 +119,29 @@ class RedsockWork(dist.Work):
         # Results are already in place (CPU, or copied back and synchronised) when done.
         self.wait()
 
-    # -- completion (called from the communicator's threads) -----------------------
+    # -- completion (see the module's docstring for which thread) -------------------
 
-    def _set_result(self, value: Any) -> None:
-        self._settle(value)
+    def _set_result(self, value: Any, deliver: Executor | None = None) -> None:
+        self._settle(value, deliver)
 
-    def _set_error(self, error: BaseException) -> None:
+    def _set_error(self, error: BaseException, deliver: Executor | None = None) -> None:
         self._error = error  # before the latch opens: a woken wait() raises it
-        self._settle(_Failed(error))
+        self._settle(_Failed(error), deliver)
 
-    def _settle(self, value: Any) -> None:
+    def _settle(self, value: Any, deliver: Executor | None) -> None:
+        """Open ``wait()`` here, and set the future (which runs its callbacks) here or, with
+        ``deliver``, on one of its threads."""
         self._end_record()
         self._keep = None
-        self._private.set_result(value)
         self._completed = True
         self._latch.release()
+        if deliver is not None:
+            try:
+                deliver.submit(self._private.set_result, value)
+                return
+            except RuntimeError:  # shut down with the group: nothing of it can wait on us now
+                pass
+        self._private.set_result(value)
 
     def _end_record(self) -> None:
         record, self._record = self._record, None
@@ -142,14 +158,24 @@ class RedsockWork(dist.Work):
         ender.join()
 
 
+#: The most completion threads a process group may have.  They are made only when a Work
+#: completes while every existing one is busy in a callback: one, as a rule; one more per
+#: level of callbacks that wait for a nested collective.
+COMPLETION_THREADS = 16
+
+
 class Tracker:
     """Operations in flight of one process group: keeps each Work (and its buffers)
-    alive until complete, and completes it when all its parts are done."""
+    alive until complete, and completes it when all its parts are done.
 
-    def __init__(self) -> None:
+    Locks: ``_lock`` guards the in-flight table and the coalescing list; a Work is never
+    completed under it (completing runs user callbacks)."""
+
+    def __init__(self, name: str = "redsock") -> None:
         self._inflight: dict[int, RedsockWork] = {}
         self._lock = threading.Lock()
         self._coalescing: list[RedsockWork] | None = None
+        self._completer = ThreadPoolExecutor(max_workers=COMPLETION_THREADS, thread_name_prefix=f"{name}-complete")
 
     def complete_when_done(self, work: RedsockWork, parts: Sequence[Future], finish: Callable[[], Any],
                            keep: Any = None) -> RedsockWork:
@@ -165,18 +191,18 @@ class Tracker:
         state = {"left": len(parts), "error": None}
         lock = threading.Lock()
 
-        def settle() -> None:
+        def settle() -> None:  # on whichever communicator thread finished the last part
             with self._lock:
                 self._inflight.pop(id(work), None)
             if state["error"] is not None:
-                work._set_error(state["error"])
+                work._set_error(state["error"], self._completer)
                 return
             try:
                 value = finish()
             except BaseException as e:  # a failed copy-back must fail the Work, not vanish in a callback
-                work._set_error(e)
+                work._set_error(e, self._completer)
                 return
-            work._set_result(value)
+            work._set_result(value, self._completer)
 
         def part_done(f: Future) -> None:
             try:
@@ -210,6 +236,10 @@ class Tracker:
         else:
             work._set_result(value)
         return work
+
+    def close(self) -> None:
+        """No more completions after those under way (the process group is gone)."""
+        self._completer.shutdown(wait=False)
 
     def pending(self) -> list[RedsockWork]:
         with self._lock:

@@ -52,6 +52,11 @@ _EVENT_LOCK = threading.Lock()
 #: How long a stream's failure waits for a waiter reading the control stream, which meets the
 #: peer's ABORT record (its reason) there, before it reports the failure as its own.
 PEER_REASON_WAIT_S = 1.0
+#: A wait that made no progress for its timeout probes the peer; if the peer answers, it is
+#: blocked on someone else, and whoever detects that failure (a ring neighbour, a reducer: their
+#: deadlines began within moments of ours) tells us within this long.  Not another whole
+#: timeout: timeouts never stack (every survivor fails within REDSOCK_TIMEOUT_S + 5 s).
+RELAY_GRACE_S = 4.0
 # How long a waiter sleeps in one read of the control stream before it looks at its deadline.
 CTRL_READ_WAIT_S = 0.05
 CTRL_STAGE_BYTES = 4096  # one control-stream read brings a whole small record, often several
@@ -218,6 +223,21 @@ class Connection:
 
     Created by :func:`redsock.transport.connect` or a :class:`~redsock.transport.Listener`.
     Thread-safe.  Use as a context manager or call :meth:`close`.
+
+    Locks, what each guards, and the order they are taken in (never the other way round):
+
+    1. ``_ctrl_rx_lock`` — the control stream's receive side (its reader and the record under
+       way).  Held by whichever waiter reads it, across the read.
+    2. ``_lock`` (``_send_cv``) — match tables, the send schedule, data streams' busy flags,
+       the error state.  Never held across I/O that can block.
+    3. ``_ctrl_tx_lock`` (``_ctrl_tx_cv``) — the control stream's send side and its backlog.
+       Never held together with ``_lock``.
+    4. ``_EVENT_LOCK`` — a leaf: only around making a handle's event.
+
+    Failing the connection (:meth:`_abort`, :meth:`_io_failed`) takes ``_lock`` and then
+    ``_ctrl_tx_lock``: call it with neither held (holding ``_ctrl_rx_lock`` is fine).  A path
+    that meets an error under one of them notes it and fails the connection after letting go.
+    Completing or failing a handle only sets its event: no code of anyone else's runs there.
     """
 
     def __init__(self, ctrl: socket.socket, data: list[socket.socket], *, peer: str,
@@ -505,14 +525,16 @@ class Connection:
         limit = self.config.timeout_s if timeout is None else timeout
         wait_once = self._read_until if h.inline and h.op == "recv" else self._wait_progress
         wait_once(h, limit)
+        waited = limit
         if not h.done and self._error is None and self.probe(min(1.0, limit)):
-            # The peer is alive, so it is blocked on somebody else: if that one failed, its
-            # neighbours' diagnosis reaches us as an abort.  One more period, then we give up.
-            wait_once(h, limit)
-            limit *= 2
+            # The peer is alive, so it is blocked on somebody else: if that one failed, the
+            # diagnosis of whoever found it reaches us as an abort (see RELAY_GRACE_S).
+            grace = min(limit, RELAY_GRACE_S)
+            wait_once(h, grace)
+            waited += grace
         if not h.done:
             err = Timeout(f"{h.op} of {h.nbytes} bytes (tag {h.tag}) with {self.peer}: timeout (no progress "
-                          f"for {limit:g}s; the call's timeout, by default REDSOCK_TIMEOUT_S)", peer=self.peer, op=h.op)
+                          f"for {waited:g}s; the call's timeout, by default REDSOCK_TIMEOUT_S)", peer=self.peer, op=h.op)
             self._abort(err)
             h._fail(err)
 
@@ -618,26 +640,30 @@ class Connection:
         total = wire.CTRL_SIZE + h.nbytes  # the header, then h's bytes
         with self._ctrl_tx_lock:
             sent = 0
+            failure: OSError | None = None
             if not self._ctrl_backlog:
                 try:
                     sent = self._ctrl.sendmsg(parts, (), socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     sent = 0
                 except OSError as e:
-                    err = translate_oserror(e, self.peer, "send")
-                    self._abort(err)
-                    raise err from e
+                    failure = e  # failed below, once this lock is let go (see the lock order)
                 if sent == total:
                     h.got = h.nbytes
                     h._complete()
                     return
-            # The kernel buffer is full: a helper thread finishes the send, in order.
-            self._ctrl_backlog.append((h, advance_parts(parts, sent)))
-            if self._ctrl_tx_thread is None:
-                self._ctrl_tx_thread = threading.Thread(target=self._ctrl_send_loop, daemon=True,
-                                                        name=f"redsock-ctx-{self.peer}")
-                self._ctrl_tx_thread.start()
-            self._ctrl_tx_cv.notify()
+            if failure is None:
+                # The kernel buffer is full: a helper thread finishes the send, in order.
+                self._ctrl_backlog.append((h, advance_parts(parts, sent)))
+                if self._ctrl_tx_thread is None:
+                    self._ctrl_tx_thread = threading.Thread(target=self._ctrl_send_loop, daemon=True,
+                                                            name=f"redsock-ctx-{self.peer}")
+                    self._ctrl_tx_thread.start()
+                self._ctrl_tx_cv.notify()
+                return
+        self._io_failed(failure, "send")
+        err = self._error or translate_oserror(failure, self.peer, "send")
+        raise TransportError(f"send to {self.peer}: {err}", peer=self.peer, op="send") from failure
 
     def _ctrl_send_loop(self) -> None:
         h: Handle | None = None

@@ -39,6 +39,11 @@ log = logging.getLogger("redsock.collectives")
 
 #: While the reducers are unusable and calls fall back to ring, warn at most this often.
 FALLBACK_WARNING_S = 10.0
+#: After a call fell back to ring, the reducers are tried again once this many times what the
+#: failed try cost has passed: a refused connection (a reducer restarting) costs microseconds and
+#: is retried at the next call, a host that is gone costs a timeout and is retried after four
+#: (at most a fifth of the time goes to trying, not one timeout per call).
+RETRY_COST_FACTOR = 4.0
 
 
 class ServerGroup:
@@ -57,6 +62,10 @@ class ServerGroup:
         self._lock = threading.Lock()
         self._fallbacks_unreported = 0  # ring fallbacks since the last warning
         self._last_warning = -float("inf")
+        # Since when calls go to ring (None: they try the reducers), and for how long before
+        # the next try.  Changed only by a call's outcome, which every rank agrees on.
+        self.down_since: float | None = None
+        self.retry_after_s = 0.0
 
     def warn_fallback(self, seq: int, reason: object) -> None:
         """Warn that call ``seq`` is finished by ring: the first time, then at most once per
@@ -109,6 +118,16 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Finish | No
         return _through_servers(ctx, group, x, op)
     # Fallback armed: keep the input, and let every rank agree on the outcome, so that
     # either all ranks keep the servers' result or all redo the call by ring.
+    if group.down_since is not None:
+        # The reducers failed a recent call: try them again once every rank's wait is over (a
+        # rank that tried alone would keep the others waiting on a connect to a dead host).
+        due = np.array([time.monotonic() - group.down_since >= group.retry_after_s], np.uint8)
+        small.all_reduce(ctx, due, ops.ReduceOp.MIN)
+        if not due[0]:
+            group.warn_fallback(ctx.seq, "the reduction servers failed a recent call")
+            ring.all_reduce(ctx, x, op)
+            return None
+    t0 = time.monotonic()
     saved = ctx.scratch(x.size, x.dtype)
     saved[:] = flat(x)
     failure: BaseException | None = None
@@ -135,7 +154,10 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Finish | No
     ok = np.array([0 if failure or not reachable[0] else 1], np.uint8)
     small.all_reduce(ctx, ok, ops.ReduceOp.MIN)
     if ok[0]:
+        group.down_since = None
         return None
+    group.down_since = time.monotonic()
+    group.retry_after_s = RETRY_COST_FACTOR * (group.down_since - t0)
     group.warn_fallback(ctx.seq, failure or "a reduction server failed on another rank")
     flat(x)[:] = saved
     ring.all_reduce(ctx, x, op)

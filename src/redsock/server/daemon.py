@@ -368,9 +368,15 @@ class ReductionServer:
             with self._lock:
                 stalled = [r for r in self._rounds.values()
                            if now - r.last_progress > r.timeout_s + DIAGNOSIS_MARGIN_S]
+            by_job: dict[int, list[Round]] = {}
             for rnd in stalled:
-                missing = rnd.missing_ranks()
-                self._abort_job(rnd.job, missing, f"all-reduce #{rnd.op_seq} got nothing from rank(s) "
+                by_job.setdefault(rnd.job, []).append(rnd)
+            for job_id, rounds in by_job.items():
+                # A round whose pieces are all complete or untouched waits for a rank that is
+                # behind in another one: the job's stalled rounds together name it.
+                missing = sorted(set().union(*(r.missing_ranks() for r in rounds)))
+                rnd = min(rounds, key=lambda r: r.op_seq)
+                self._abort_job(job_id, missing, f"all-reduce #{rnd.op_seq} got nothing from rank(s) "
                                 f"{', '.join(map(str, missing))} for {rnd.timeout_s:g}s (the job's timeout)")
 
 

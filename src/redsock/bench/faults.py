@@ -124,6 +124,7 @@ class Outcome:
     happened: str
     seconds: float | None        # fault to the last survivor's error (or to the end of the job)
     problems: list[str] = field(default_factory=list)
+    left_behind: list[str] = field(default_factory=list)  # processes, /dev/shm entries after the cell
 
 
 class _Rank:
@@ -293,16 +294,18 @@ def run_cell(tb: Testbed, cell: Cell, timeout_s: float, logdir: Path, port: int,
                 r.proc.kill()
             r.proc.wait(timeout=10)
         stop(servers)
-    left = {h: nx.netns_pids(tb.ns(h)) for h in tb.hosts}
-    left = {h: p for h, p in left.items() if p}
-    if left:
-        problems.append(f"processes left behind: {left}")
-        for h in left:
+    left_behind = []
+    pids = {h: p for h, p in ((h, nx.netns_pids(tb.ns(h))) for h in tb.hosts) if p}
+    if pids:
+        left_behind.append(f"processes {pids}")
+        for h in pids:
             nx.kill_netns_procs(tb.ns(h))
     new_shm = _shm_entries() - shm_before
     if new_shm:
-        problems.append(f"/dev/shm left behind: {sorted(new_shm)}")
-    return Outcome(cell, not problems, _expected(cell, timeout_s, reducer_addr), happened, seconds, problems)
+        left_behind.append(f"/dev/shm {sorted(new_shm)}")
+    problems += [f"left behind: {x}" for x in left_behind]
+    return Outcome(cell, not problems, _expected(cell, timeout_s, reducer_addr), happened, seconds, problems,
+                   left_behind)
 
 
 def _blame_problems(cell: Cell, slot: RankSlot, slots: list[RankSlot], end: dict[str, Any],
@@ -418,7 +421,8 @@ def run(args: argparse.Namespace) -> int:
     bad = [o for o in outcomes if not o.ok]
     print(f"\n{len(outcomes) - len(bad)} of {len(outcomes)} cells as expected in {time.monotonic() - t0:.0f} s "
           f"(REDSOCK_TIMEOUT_S={args.timeout:g}; machine busy {100 * busy:.0f}%, steal {100 * steal:.0f}%); "
-          f"namespaces left: {' '.join(left) if left else 'none'}")
+          f"namespaces left: {' '.join(left) if left else 'none'}; processes or /dev/shm entries left after a "
+          f"cell: {sum(bool(o.left_behind) for o in outcomes) or 'none'}")
     if left:
         cleanup_prefix(args.prefix)
     return 1 if bad or left else 0

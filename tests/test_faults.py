@@ -53,6 +53,17 @@ def test_matrix_cells():
     assert not faults.Cell("reducers", "srv-term").survives
 
 
+def test_left_behind_arenas_are_the_cells_own():
+    """/dev/shm is the whole machine's: a cell counts only the arenas its own ranks created."""
+    mine = Path("/dev/shm") / f"redsock-{os.getpid()}-faultstest"
+    mine.touch()
+    try:
+        assert faults._shm_entries({os.getpid()}) == [mine.name]
+        assert faults._shm_entries({os.getpid() + 1}) == []
+    finally:
+        mine.unlink()
+
+
 @needs_root
 def test_quick_slice(tmp_path):
     """One cell of each kind of detection: a dead process (connection reset), a frozen one behind

@@ -37,19 +37,26 @@ from typing import IO, Any, Sequence
 from ..errors import ConfigError, RedsockError
 from ..testbed import netns as nx
 from ..testbed.cluster import RankSlot, Testbed, cleanup_prefix, list_prefix_netns, place_ranks
+from ..transport.shm import ARENA_DIR, ARENA_PREFIX
 from .procs import box_cpu, cpu_shares
 from .testbed_launch import SERVER_PORT, Proc, child_env, rank_env, start_servers, stop
 
 __all__ = ["ALGOS", "FAULTS", "Cell", "Outcome", "add_arguments", "matrix", "run", "run_cell", "run_matrix",
            "table"]
 
-#: (name, all-reduce algorithm of fault_job, float32 elements, ranks per host, worker hosts)
+#: (name, all-reduce algorithm of fault_job, float32 elements, ranks per host, worker hosts);
+#: ``hier`` goes between hosts by ring, ``hier-reducers`` through the reducer (each local rank
+#: sends its 512 KiB shard there).
 ALGOS = {
     "ring": ("ring", 256 * 1024, 1, 3),
     "small": ("small", 256, 1, 3),
     "reducers": ("server", 256 * 1024, 1, 3),
     "hier": ("hier", 256 * 1024, 2, 2),
+    "hier-reducers": ("hier", 256 * 1024, 2, 2),
 }
+#: The matrix's algorithms by default (hier-reducers on request: ``--algos``).
+DEFAULT_ALGOS = ("ring", "small", "reducers", "hier")
+USES_REDUCER = ("reducers", "hier-reducers")
 WORKER_FAULTS = ("kill", "stop", "link", "flap")
 REDUCER_FAULTS = ("srv-term", "srv-kill", "srv-link")
 FAULTS = {
@@ -99,7 +106,7 @@ class Cell:
         return on_host if self.fault == "link" else []
 
 
-def matrix(algos: Sequence[str] = tuple(ALGOS), faults: Sequence[str] = tuple(FAULTS)) -> list[Cell]:
+def matrix(algos: Sequence[str] = DEFAULT_ALGOS, faults: Sequence[str] = tuple(FAULTS)) -> list[Cell]:
     """The cells for ``algos`` x ``faults``: reducer faults only with reducers, and those once
     without and once with the ring fallback."""
     cells = []
@@ -109,7 +116,7 @@ def matrix(algos: Sequence[str] = tuple(ALGOS), faults: Sequence[str] = tuple(FA
         for f in faults:
             if f not in FAULTS:
                 raise ConfigError(f"unknown fault {f!r}; one of {', '.join(FAULTS)}")
-            if f in REDUCER_FAULTS and a != "reducers":
+            if f in REDUCER_FAULTS and a not in USES_REDUCER:
                 continue
             cells.append(Cell(a, f))
     cells += [Cell(c.algo, c.fault, True) for c in cells if c.fault in REDUCER_FAULTS]
@@ -155,11 +162,15 @@ class _Rank:
         return next((e for e in reversed(self.events) if e.get("ev") in ("done", "failure", "wrong")), None)
 
 
-def _shm_entries() -> set[str]:
+def _shm_entries(pids: set[int]) -> list[str]:
+    """The shared-memory arenas in /dev/shm that processes ``pids`` created (an arena is named
+    ``redsock-<creator pid>-<random>``: /dev/shm is the whole machine's, other jobs' come and go)."""
     try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("redsock")}
+        names = os.listdir(ARENA_DIR)
     except OSError:
-        return set()
+        return []
+    creator = [n[len(ARENA_PREFIX):].split("-")[0] for n in names]
+    return sorted(n for n, c in zip(names, creator) if n.startswith(ARENA_PREFIX) and c.isdigit() and int(c) in pids)
 
 
 def _set_link(tb: Testbed, host: str, up: bool) -> None:
@@ -179,10 +190,9 @@ def run_cell(tb: Testbed, cell: Cell, timeout_s: float, logdir: Path, port: int,
     algo, count, _, _ = ALGOS[cell.algo]
     slots = cell.slots()
     world = len(slots)
-    uses_reducer = cell.algo == "reducers"
+    uses_reducer = cell.algo in USES_REDUCER
     victims = cell.victims()
     reducer_addr = f"{tb.host_addr(REDUCER_HOST)}:{SERVER_PORT}"
-    shm_before = _shm_entries()
     servers: list[Proc] = []
     ranks: list[_Rank] = []
     problems: list[str] = []
@@ -300,9 +310,9 @@ def run_cell(tb: Testbed, cell: Cell, timeout_s: float, logdir: Path, port: int,
         left_behind.append(f"processes {pids}")
         for h in pids:
             nx.kill_netns_procs(tb.ns(h))
-    new_shm = _shm_entries() - shm_before
-    if new_shm:
-        left_behind.append(f"/dev/shm {sorted(new_shm)}")
+    arenas = _shm_entries({r.proc.pid for r in ranks})
+    if arenas:
+        left_behind.append(f"/dev/shm {arenas}")
     problems += [f"left behind: {x}" for x in left_behind]
     return Outcome(cell, not problems, _expected(cell, timeout_s, reducer_addr), happened, seconds, problems,
                    left_behind)
@@ -400,7 +410,8 @@ def run_matrix(cells: Sequence[Cell], timeout_s: float, prefix: str, rate: str =
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--algos", default=",".join(ALGOS), help=f"comma-separated subset of {','.join(ALGOS)}")
+    p.add_argument("--algos", default=",".join(DEFAULT_ALGOS), help=f"comma-separated, of {','.join(ALGOS)} "
+                   f"(default {','.join(DEFAULT_ALGOS)})")
     p.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of {','.join(FAULTS)}")
     p.add_argument("--no-fallback", action="store_true", help="skip the REDSOCK_SERVER_FALLBACK=ring cells")
     p.add_argument("--timeout", type=float, default=6.0, help="REDSOCK_TIMEOUT_S of the jobs (default 6)")

@@ -14,9 +14,9 @@ import urllib.request
 import numpy as np
 import pytest
 
-from redsock import ops
+from redsock import ops, wire
 from redsock.bench.procs import stop_processes
-from redsock.collectives.server_client import FALLBACK_WARNING_S, piece_elements
+from redsock.collectives.server_client import FALLBACK_WARNING_S, ServerGroup, piece_elements
 from redsock.config import Config
 from redsock.errors import ConfigError, TransportError
 from redsock.server import ReductionServer
@@ -187,6 +187,23 @@ def test_a_stalled_round_names_the_rank_that_is_behind_not_those_waiting_for_cre
     late = Round(1, 15, world, (), {0: Piece(np.dtype(np.float32), 4, world, ops.ReduceOp.SUM, False, pool)},
                  contributors={0, 2})
     assert late.missing_ranks() == [1]
+
+
+def test_a_worker_names_the_world_ranks_a_reducer_found_missing():
+    """A hierarchical job's inter-host group of local ranks 0 is world ranks (0, 2): when its
+    reducer finds job rank 1 missing, the worker names world rank 2 (the fault matrix's
+    hier-reducers / worker SIGKILL blamed rank 1, alive on the other host)."""
+    group = ServerGroup(("127.0.0.1:9",), Config(), 1, 0, 2, global_ranks=(0, 2))
+    err = TransportError("reduction server 127.0.0.1:9 aborted the connection: "
+                         + wire.failed_job_ranks_reason([1], "reduction server: all-reduce #3 got nothing"),
+                         peer="reduction server 127.0.0.1:9")
+    named = group.in_world_ranks(err)
+    assert wire.failed_ranks_in(str(named)) == (2,) and named.peer == err.peer
+    # A note in world ranks (a worker's, relayed) and an error naming nobody stay as they are.
+    relayed = TransportError(wire.failed_ranks_reason([3], "worker rank 1 gave up"))
+    assert group.in_world_ranks(relayed) is relayed
+    plain = TransportError("connection reset")
+    assert group.in_world_ranks(plain) is plain
 
 
 def test_fallback_does_not_wait_for_an_unreachable_reducer_on_every_call():

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import numpy as np
@@ -49,8 +49,12 @@ RETRY_COST_FACTOR = 4.0
 class ServerGroup:
     """This rank's connections to the reduction servers, (re)opened on demand."""
 
-    def __init__(self, servers: tuple[str, ...], config: Config, job: int, rank: int, world: int):
+    def __init__(self, servers: tuple[str, ...], config: Config, job: int, rank: int, world: int,
+                 global_ranks: Sequence[int] | None = None):
         self.addresses = [parse_hostport(s) for s in servers]
+        # The world's rank of each rank of this job (a hierarchical job's inter-host group is a
+        # job of its own at the reducers, which name its ranks as it numbers them).
+        self.global_ranks = tuple(global_ranks) if global_ranks is not None else tuple(range(world))
         # A worker's link carries its connections to every reducer: split the stream budget
         # among them (the reducers already spread the flows) rather than multiply it.
         self.config = config.sharing_link(len(self.addresses))
@@ -79,6 +83,17 @@ class ServerGroup:
         log.warning("all-reduce #%d: %s; finishing it by ring all-reduce (REDSOCK_SERVER_FALLBACK=ring)%s",
                     seq, reason, more)
         self._fallbacks_unreported, self._last_warning = 0, now
+
+    def in_world_ranks(self, e: TransportError) -> TransportError:
+        """``e`` with a reducer's own diagnosis (ranks of this job) also named in world ranks,
+        as every other failure note is, so that the communicator names the right ranks."""
+        job_ranks = wire.failed_job_ranks_in(str(e))
+        if job_ranks is None or wire.failed_ranks_in(str(e)) is not None:
+            return e
+        ranks = [self.global_ranks[r] for r in job_ranks if 0 <= r < len(self.global_ranks)]
+        named = TransportError(wire.failed_ranks_reason(ranks, str(e)), peer=e.peer, op=e.op)
+        named.__cause__ = e
+        return named
 
     def conn(self, i: int) -> Connection:
         with self._lock:
@@ -208,6 +223,7 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
     def failed(e: TransportError) -> NoReturn:
         # Receives may still be posted into x on the other servers' connections: closing
         # them all guarantees no late result lands in x.  The next call reconnects.
+        e = group.in_world_ranks(e)
         told = wire.failed_ranks_in(str(e))
         if told is not None:  # the server diagnosed a failed worker: the communicator names it
             group.close(wire.failed_ranks_reason(told, f"rank {ctx.rank} gives up all-reduce #{ctx.seq}: {e}"))

@@ -333,7 +333,7 @@ class ReductionServer:
                 # The worker gave up and said why (a rank or a reducer it found failed): pass
                 # its diagnosis on; it failed only as a consequence and is not to be blamed.
                 told = wire.failed_ranks_in(str(err))
-                self._abort_job(job_id, list(told or ()), f"worker rank {rank} gave up ({err})")
+                self._abort_job(job_id, list(told or ()), f"worker rank {rank} gave up ({err})", relayed=True)
             else:
                 self._abort_job(job_id, [rank], f"worker rank {rank} of job {job_id:#x} failed ({err})")
             return
@@ -345,8 +345,9 @@ class ReductionServer:
         if self._metrics:
             self._metrics.jobs.set(len(self._jobs))
 
-    def _abort_job(self, job_id: int, ranks: list[int], why: str) -> None:
-        """Abort a job's rounds here: free their memory and tell every worker which ranks failed."""
+    def _abort_job(self, job_id: int, ranks: list[int], why: str, relayed: bool = False) -> None:
+        """Abort a job's rounds here: free their memory and tell every worker which ranks failed:
+        ranks of the job found here, or (``relayed``) the world's ranks a worker named."""
         with self._lock:
             job = self._jobs.pop(job_id, None)
             rounds = [self._rounds.pop(k) for k in list(self._rounds) if k[0] == job_id]
@@ -356,7 +357,8 @@ class ReductionServer:
         log.warning("job %#x aborted: %s", job_id, why)
         if job is None:
             return
-        reason = wire.failed_ranks_reason(ranks, f"reduction server: {why}")
+        note = wire.failed_ranks_reason if relayed else wire.failed_job_ranks_reason
+        reason = note(ranks, f"reduction server: {why}")
         for link in job.links.values():
             link.abort(reason)
         if self._metrics:

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PeerFailure, ProtocolError, Timeout, TransportError
+from .connection import RELAY_GRACE_S
 
 ARENA_DIR = "/dev/shm"
 ARENA_PREFIX = "redsock-"
@@ -250,6 +251,7 @@ class LocalGroup:
             os.sched_yield()
         w = self._words
         sleep_word = self.me * _LINE_WORDS + _SLEEP
+        graced = False
         while True:
             self._check_failure()
             missing = self._missing(step)
@@ -257,10 +259,17 @@ class LocalGroup:
                 return
             self._raise_if_a_peer_died(0, "during a shared-memory collective")  # it never arrives: say who
             left = deadline - time.monotonic()
+            if left <= 0 and not graced:
+                # The missing ranks are alive (their pidfds say so), so each is held up elsewhere
+                # (its inter-host step): if a remote rank failed there, its diagnosis reaches us as
+                # a failure note within the relay grace.  Not another whole timeout (no stacking).
+                graced = True
+                deadline += RELAY_GRACE_S
+                left = deadline - time.monotonic()
             if left <= 0:
                 names = [self.ranks[lr] for lr in missing]
                 raise Timeout(f"rank {self.ranks[self.me]}: local rank(s) {names} did not arrive at a "
-                              f"shared-memory step within {timeout_s:g}s",
+                              f"shared-memory step within {deadline - now:g}s",
                               peer=f"rank {names[0]}", op="shared-memory wait")
             lr = missing[0]
             w[sleep_word] = lr + 1  # the futex system call below is a full barrier

@@ -1,6 +1,7 @@
 """Several ranks on one host: topology, the shared-memory transport and the collectives over it."""
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -150,6 +151,31 @@ def test_a_local_rank_busy_elsewhere_is_given_the_relay_grace_before_it_is_blame
     finally:
         a.close()
         b.close()
+
+
+def test_a_stopped_local_rank_is_named_at_the_timeout(tmp_path):
+    """A host-mate stopped by SIGSTOP is held up by nobody: named at the timeout, no grace."""
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(peer.pid, signal.SIGSTOP)
+        store, made = FileStore(tmp_path, timeout_s=30), {}
+        pids = (os.getpid(), peer.pid)
+        t = threading.Thread(target=lambda: made.setdefault(1, LocalGroup(
+            store, "shm/0", (10, 11), 1, (os.getpid(), os.getpid()), region_bytes=4096, timeout_s=1.0, spin_us=0)))
+        t.start()
+        a = LocalGroup(store, "shm/0", (10, 11), 0, pids, region_bytes=4096, timeout_s=1.0, spin_us=0)
+        t.join(30)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(Timeout, match=r"local rank\(s\) \[11\] did not arrive"):
+                a.sync(timeout_s=1.0)
+            assert time.monotonic() - t0 < 1.0 + RELAY_GRACE_S / 2
+        finally:
+            a.close()
+            made[1].close()
+    finally:
+        peer.kill()
+        peer.wait()
 
 
 def test_no_arena_left_after_an_exception_or_close():

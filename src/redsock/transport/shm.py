@@ -82,6 +82,15 @@ def _futex_wake(addr: int) -> None:
     _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, ctypes.c_int(1 << 30), None, None, 0)
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal or a tracer (state T or t)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
 def available() -> bool:
     """Whether this system can run the transport (Linux on x86-64, pidfds, /dev/shm)."""
     return _SYS_FUTEX is not None and hasattr(os, "pidfd_open") and os.path.isdir(ARENA_DIR)
@@ -109,6 +118,7 @@ class LocalGroup:
         nbytes = HEADER_BYTES + DATA_SKEW + 2 * self.size * self.region_bytes
         self._views: dict[tuple[int, np.dtype, int], np.ndarray] = {}  # rows() of recent calls
         self._pidfds: dict[int, int] = {}
+        self._pids = tuple(pids)
         try:
             # The peers' pidfds first: waiting for them to attach, a rank that died is named at once.
             self._poll = select.poll()
@@ -259,10 +269,11 @@ class LocalGroup:
                 return
             self._raise_if_a_peer_died(0, "during a shared-memory collective")  # it never arrives: say who
             left = deadline - time.monotonic()
-            if left <= 0 and not graced:
-                # The missing ranks are alive (their pidfds say so), so each is held up elsewhere
-                # (its inter-host step): if a remote rank failed there, its diagnosis reaches us as
-                # a failure note within the relay grace.  Not another whole timeout (no stacking).
+            if left <= 0 and not graced and not any(_stopped(self._pids[lr]) for lr in missing):
+                # The missing ranks are alive (their pidfds say so) and running, so each is held
+                # up elsewhere (its inter-host step): if a remote rank failed there, its diagnosis
+                # reaches us as a failure note within the relay grace.  Not another whole timeout
+                # (no stacking); a stopped one (SIGSTOP) is not held up by anybody: named now.
                 graced = True
                 deadline += RELAY_GRACE_S
                 left = deadline - time.monotonic()

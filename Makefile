@@ -36,6 +36,6 @@ reproduce: setup
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
 
-# The whole fault matrix of issue 38 (root, about 6 minutes on 2 cores): every cell as expected.
+# The whole fault matrix of issue 38 (root, about 10 minutes on 2 cores): every cell as expected.
 faults: setup
 	REDSOCK_FAULTS_FULL=1 $(PY) -m pytest -q -s tests/test_faults.py

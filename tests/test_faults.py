@@ -3,7 +3,7 @@ reducer ends every survivor's job in a PeerFailure naming it within REDSOCK_TIME
 a link flap and a reducer fault with the ring fallback leave right results, nothing is left
 behind.  Real namespaces, processes and signals (root, as the CI runs; skipped otherwise).
 
-The quick slice runs in ``make test``; the whole matrix (22 cells, about 6 minutes on 2 cores)
+The quick slice runs in ``make test``; the whole matrix (32 cells, about 10 minutes on 2 cores)
 runs with ``make faults`` (REDSOCK_FAULTS_FULL=1) or ``redsock testbed faults``.
 """
 
@@ -43,7 +43,7 @@ def _run(cells: list[faults.Cell], tmp_path: Path, tag: str) -> list[faults.Outc
 def test_matrix_cells():
     """Reducer faults only where reducers serve, each once more with the ring fallback."""
     cells = faults.matrix()
-    assert len(cells) == 4 * 4 + 3 + 3
+    assert len(cells) == 5 * 4 + 2 * 3 + 2 * 3
     assert faults.Cell("ring", "srv-kill") not in cells
     assert faults.Cell("reducers", "srv-link", True) in cells
     assert [c.victims() for c in (faults.Cell("hier", "kill"), faults.Cell("hier", "link"),
@@ -67,15 +67,15 @@ def test_left_behind_arenas_are_the_cells_own():
 @needs_root
 def test_quick_slice(tmp_path):
     """One cell of each kind of detection: a dead process (connection reset), a frozen one behind
-    a reducer (the reducer's round deadline names it), a dead host leader in shared memory and
-    across hosts, a reducer cut off with the ring fallback."""
-    _run([faults.Cell("ring", "kill"), faults.Cell("reducers", "stop"), faults.Cell("hier", "kill"),
+    a reducer (the reducer's round deadline names it), a dead rank in shared memory whose
+    host-mate tells its inter-host group's reducer, a reducer cut off with the ring fallback."""
+    _run([faults.Cell("ring", "kill"), faults.Cell("reducers", "stop"), faults.Cell("hier-reducers", "kill"),
           faults.Cell("reducers", "srv-link", True)], tmp_path, "q")
 
 
 @needs_root
 @pytest.mark.skipif(os.environ.get("REDSOCK_FAULTS_FULL") != "1",
-                    reason="the whole matrix takes ~6 min: make faults (REDSOCK_FAULTS_FULL=1)")
+                    reason="the whole matrix takes ~10 min: make faults (REDSOCK_FAULTS_FULL=1)")
 @pytest.mark.timeout(1200)
 def test_whole_matrix(tmp_path):
     _run(faults.matrix(), tmp_path, "f")

@@ -206,6 +206,38 @@ def test_a_worker_names_the_world_ranks_a_reducer_found_missing():
     assert group.in_world_ranks(plain) is plain
 
 
+def test_a_worker_that_gives_up_between_rounds_passes_its_diagnosis_on_at_once():
+    """Rank 1 of a job gives up between two rounds (its host-mate died), telling the reducer why:
+    rank 0's next round must fail at once with rank 1's diagnosis, not wait the job's timeout
+    and then blame rank 1 (the fault matrix's hier-reducers / worker SIGKILL)."""
+    with ReductionServer("127.0.0.1", 0, config=Config(timeout_s=30)) as server:
+        cfg = Config(timeout_s=30, nsocks=1)
+        conns = [connect(server.address, config=cfg, name=f"rank{r}") for r in range(2)]
+        try:
+            def announce(conn, rank, seq):
+                x = np.full(4, rank + 1, np.float32)
+                out = np.empty(4, np.float32)
+                got = conn.irecv(out, wire.piece_tag(seq, 0))
+                conn.isend(wire.encode_announce(7, seq, ops.dtype_code(x.dtype), ops.ReduceOp.SUM.code, 2, rank, 0,
+                                                4, 4, 1, 0, wire.timeout_ms(30)) + x.tobytes(), wire.ANNOUNCE_TAG)
+                return got, out
+
+            first = [announce(c, r, 0) for r, c in enumerate(conns)]
+            for got, out in first:
+                got.wait(10)
+                assert np.all(out == 3)
+            conns[1].abort(wire.failed_ranks_reason([5], "rank 1 gives up: rank 5 died"))
+            conns[1].close()
+            t0 = time.monotonic()
+            got, _ = announce(conns[0], 0, 1)
+            with pytest.raises(TransportError, match=r"\[failed ranks: 5\]"):
+                got.wait(20)
+            assert time.monotonic() - t0 < 5
+        finally:
+            for c in conns:
+                c.close()
+
+
 def test_fallback_does_not_wait_for_an_unreachable_reducer_on_every_call():
     """A reducer whose host dropped off the network: with REDSOCK_SERVER_FALLBACK=ring the first
     call waits for it (the timeout) and falls back; the calls after it go straight to ring until

@@ -1,6 +1,7 @@
 """``redsock testbed faults``: the fault matrix — every failure ends in a clear error, never a hang.
 
-Algorithms {ring, small, reducers, hierarchical with 2 ranks per host} x faults {worker
+Algorithms {ring, small, reducers, hierarchical with 2 ranks per host (between hosts by ring, or
+through the reducers)} x faults {worker
 SIGKILL, worker SIGSTOP, worker host's link down, worker host's link down for 3 s then up,
 reducer SIGTERM, reducer SIGKILL, reducer host's link down} (reducer faults where reducers are
 used, once more with ``REDSOCK_SERVER_FALLBACK=ring``), on one emulated cluster: worker hosts
@@ -54,8 +55,8 @@ ALGOS = {
     "hier": ("hier", 256 * 1024, 2, 2),
     "hier-reducers": ("hier", 256 * 1024, 2, 2),
 }
-#: The matrix's algorithms by default (hier-reducers on request: ``--algos``).
-DEFAULT_ALGOS = ("ring", "small", "reducers", "hier")
+#: The matrix's algorithms by default (all of them).
+DEFAULT_ALGOS = tuple(ALGOS)
 USES_REDUCER = ("reducers", "hier-reducers")
 WORKER_FAULTS = ("kill", "stop", "link", "flap")
 REDUCER_FAULTS = ("srv-term", "srv-kill", "srv-link")

@@ -328,14 +328,15 @@ class ReductionServer:
                 return
             del job.links[rank]
             busy = [k for k in self._rounds if k[0] == job_id]
+        if isinstance(err, TransportError) and err.op == "peer abort":
+            # The worker gave up and said why (a rank or a reducer it found failed): pass its
+            # diagnosis on, also between rounds (the others' next round would wait for it, then
+            # blame it); it failed only as a consequence and is not to be blamed.
+            told = wire.failed_ranks_in(str(err))
+            self._abort_job(job_id, list(told or ()), f"worker rank {rank} gave up ({err})", relayed=True)
+            return
         if busy:
-            if isinstance(err, TransportError) and err.op == "peer abort":
-                # The worker gave up and said why (a rank or a reducer it found failed): pass
-                # its diagnosis on; it failed only as a consequence and is not to be blamed.
-                told = wire.failed_ranks_in(str(err))
-                self._abort_job(job_id, list(told or ()), f"worker rank {rank} gave up ({err})", relayed=True)
-            else:
-                self._abort_job(job_id, [rank], f"worker rank {rank} of job {job_id:#x} failed ({err})")
+            self._abort_job(job_id, [rank], f"worker rank {rank} of job {job_id:#x} failed ({err})")
             return
         log.info("job %#x rank %d left", job_id, rank)
         with self._lock:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from redsock.bench import allreduce, allreduce_testbed, ddp_testbed, report
+from redsock.bench import allreduce, ddp_testbed, report
+from redsock.bench.allreduce import testbed as allreduce_testbed
 from redsock.bench import reproduce as R
 from redsock.bench.testbed_launch import host_nic_factor, rank_env, start_ranks, stop, wait_ranks
 from redsock.errors import ConfigError

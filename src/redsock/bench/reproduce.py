@@ -51,7 +51,7 @@ from ..errors import ConfigError, RedsockError
 from ..testbed.netns import format_rate, parse_rate
 from . import report
 from .testbed_launch import CPU_SHARE_RE, GOODPUT_FACTOR, host_nic_factor, tail
-from .procs import stop_processes
+from .procs import no_interrupts, stop_processes, terminate_as_interrupt
 
 __all__ = [
     "GOODPUT_FACTOR", "PLANS", "SECTIONS", "Settings", "Step", "StepResult", "add_arguments",
@@ -1315,8 +1315,6 @@ def _cleanup(prefix: str) -> list[str]:
 
 def execute(settings: Settings, out_dir: Path, prefix: str, progress: bool = True) -> tuple[int, Path]:
     """Run every step, write the report; returns (exit status, path of results.md)."""
-    from .transport_testbed import _no_interrupts, _terminate_as_interrupt
-
     results_dir = out_dir / _RESULTS
     _clear_results(results_dir)
     steps = make_plan(settings, results_dir, prefix)
@@ -1326,7 +1324,7 @@ def execute(settings: Settings, out_dir: Path, prefix: str, progress: bool = Tru
     t0 = time.monotonic()
     bar = _Progress(progress, len(steps))
     interrupted = False
-    with _terminate_as_interrupt():  # SIGTERM too: stop the running step, keep what was measured
+    with terminate_as_interrupt():  # SIGTERM too: stop the running step, keep what was measured
         try:
             for i, step in enumerate(steps):
                 bar.start(i, step)
@@ -1343,7 +1341,7 @@ def execute(settings: Settings, out_dir: Path, prefix: str, progress: bool = Tru
             interrupted = True
         finally:
             bar.close()
-            with _no_interrupts():  # a second Ctrl-C must not leave namespaces behind
+            with no_interrupts():  # a second Ctrl-C must not leave namespaces behind
                 info.leftovers += _cleanup(prefix)
     results += [StepResult(s, "not run") for s in steps[len(results):]]
     info.wall_s = time.monotonic() - t0

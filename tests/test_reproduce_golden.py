@@ -10,7 +10,7 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from redsock.bench import reproduce as R
+from redsock import reproduce as R
 
 ROOT = Path(__file__).resolve().parents[1]
 STORED = ROOT / "docs" / "results"

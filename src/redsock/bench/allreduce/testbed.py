@@ -15,7 +15,7 @@ Builds a :class:`~redsock.testbed.Testbed` star — workers ``w0..`` and reducer
 * relays rank 0's tables, adds a summary against the link — the link rate, its
   payload goodput (``rate x GOODPUT_FACTOR``: tc counts frame headers, the testbed
   measured 95.6 % goodput), per row the bytes one host link carries per byte of
-  buffer (:func:`~.testbed_launch.host_nic_factor`: flat ring 2(N-1)/N,
+  buffer (:func:`~redsock.bench.bounds.host_nic_factor`: flat ring 2(N-1)/N,
   hierarchical ring 2(H-1)/H, flat reducers L, hierarchical reducers 1), the algbw
   bound that gives, the share of it reached and the ratio to gloo's algbw next to
   the ideal one — plus the reducers' peak RSS and the CPU the run took;
@@ -46,21 +46,13 @@ from ...testbed.cluster import Testbed
 from ...testbed.netns import format_rate, parse_rate
 from .. import report
 from ..procs import BoxCpu, box_cpu, cpu_shares, no_interrupts, terminate_as_interrupt
-from ..testbed_launch import (BUSY_LIMIT, GOODPUT_FACTOR, cpu_line, SERVER_PORT, Proc, host_nic_factor, proc_status,
+from ..bounds import GOODPUT_FACTOR, host_nic_factor, ideal_over_gloo, link_goodput_GBps
+from ..testbed_launch import (BUSY_LIMIT, SERVER_PORT, Proc, cpu_line, proc_status,
                              set_congestion_control, start_ranks, start_servers, stop, tail, tcp_counters, tcp_delta,
                              tcp_line, wait_ranks)
 from .options import child_argv
 
 # -- the summary -------------------------------------------------------------------
-
-def ideal_over_gloo(algo: str, world: int, hosts: int | None = None, scheme: str = "flat") -> float | None:
-    """algbw ratio against gloo's flat ring when both are link-bound: the ratio of the bytes
-    their host links carry (:func:`host_nic_factor`; ``hosts`` defaults to one rank per host)."""
-    hosts = world if hosts is None else hosts
-    mine = host_nic_factor(algo, world, hosts, scheme)
-    gloo = host_nic_factor("gloo", world, hosts)
-    return gloo / mine if mine and gloo else None
-
 
 def row_route(r: report.Row) -> tuple[str, str]:
     """(algorithm between hosts, scheme) of a row, as its rank recorded it (see
@@ -73,7 +65,7 @@ def row_route(r: report.Row) -> tuple[str, str]:
 def summary_table(rows: Sequence[report.Row], rate_bps: int, workers: int, servers: int,
                   profile: str, ranks_per_host: int = 1) -> str:
     """Per size, each algorithm's algbw against its link bound and against gloo's."""
-    goodput = rate_bps * GOODPUT_FACTOR / 8 / 1e9  # GB/s of payload one link direction carries
+    goodput = link_goodput_GBps(rate_bps)  # GB/s of payload one link direction carries
     ranks = f" x {ranks_per_host} ranks (N={workers * ranks_per_host})" if ranks_per_host > 1 else ""
     out = [f"# testbed: {workers} workers{ranks}, {servers} reducers, {profile} links at {format_rate(rate_bps)} "
            f"each way; link goodput = {format_rate(rate_bps)} x {GOODPUT_FACTOR} = {goodput:.4f} GB/s",

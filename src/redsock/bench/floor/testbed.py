@@ -51,7 +51,8 @@ from .. import report
 from ..allreduce.rank import B2B_ROUNDS
 from .loopback import fanin_call, fanin_join, fanin_reduce, run_threads
 from ..procs import box_cpu, cpu_shares, no_interrupts, terminate_as_interrupt
-from ..testbed_launch import (GOODPUT_FACTOR, Proc, child_env, set_congestion_control, start_ranks, start_servers,
+from ..bounds import GOODPUT_FACTOR
+from ..testbed_launch import (Proc, child_env, set_congestion_control, start_ranks, start_servers,
                              stop, tail, wait_ranks)
 
 FLOOR_PORT = 7800

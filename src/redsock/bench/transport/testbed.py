@@ -83,7 +83,7 @@ from ...testbed import netns as nx
 from ...testbed.cluster import PairTestbed
 from ...testbed.netns import parse_rate, path_class
 from ..procs import box_cpu, cpu_shares, no_interrupts, terminate_as_interrupt
-from ..testbed_launch import GOODPUT_FACTOR
+from ..bounds import GOODPUT_FACTOR
 from .session import (
     ACK_TAG, DATA_TAG, PLAN_BYTES, PLAN_TAG, TransportRow, _cases, _human, _many, _PlainConn, open_session,
 )

@@ -53,6 +53,17 @@ def test_matrix_cells():
     assert not faults.Cell("reducers", "srv-term").survives
 
 
+def test_another_shape_than_the_algorithms_own():
+    """--hosts/--size (the issue's case 3: 4 hosts, 8 MiB): more ranks, the same victims."""
+    cells = faults.matrix(["reducers", "hier"], ["link"], hosts=4, elements=2 << 20)
+    assert [c.shape for c in cells] == [(2 << 20, 4)] * 2
+    assert [len(c.slots()) for c in cells] == [4, 8]
+    assert [c.victims() for c in cells] == [[1], [2, 3]]
+    assert faults.matrix(["small"], ["kill"])[0].shape == (256, 3)  # the algorithm's own
+    with pytest.raises(faults.ConfigError, match="at least 2"):
+        faults.matrix(["ring"], ["kill"], hosts=1)
+
+
 def test_left_behind_arenas_are_the_cells_own():
     """/dev/shm is the whole machine's: a cell counts only the arenas its own ranks created."""
     mine = Path("/dev/shm") / f"redsock-{os.getpid()}-faultstest"

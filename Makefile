@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test compat bench-transport reproduce clean
+.PHONY: setup demo test docs compat bench-transport reproduce clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,10 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+# The docs site in site/ (mkdocs.yml); --strict: a broken link or a reference entry that fails is an error.
+docs: setup
+	$(PY) -m mkdocs build --strict --site-dir site
+
 # torch's own distributed test suite on redsock next to gloo, world sizes 2 and 3 (tests/compat/compat.py).
 compat: setup
 	$(PY) tests/compat/compat.py --world-sizes 2,3 --out out/compat
@@ -34,4 +38,4 @@ reproduce: setup
 	$(PY) -m redsock reproduce $(if $(filter 1 yes true,$(QUICK)),--quick)
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build site src/*.egg-info .pytest_cache

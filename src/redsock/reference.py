@@ -223,10 +223,11 @@ def headline_markdown(results: Path | None = None) -> str:
         if len(match) != 1:
             raise ConfigError(f"docs/results.md's summary has {len(match)} rows for {claim!r}")
         picked.append(match[0])
-    head = "| claim | measured (emulated cluster, 1 Gbit/s links unless said) | bound / ideal |\n|:---|:---|:---|"
+    head = "| claim | measured | bound / ideal |\n|:---|:---|:---|"
     date = f" ({when.group(1)})" if when else ""
-    return (f"{head}\n" + "\n".join(picked) + "\n\nFrom [docs/results.md](docs/results.md){date}, written by "
-            "`sudo make reproduce` on a 2-core VM; every ratio against gloo measured in the same run.\n")
+    return (f"{head}\n" + "\n".join(picked) + f"\n\nFrom [docs/results.md](docs/results.md){date}, written by "
+            "`sudo make reproduce` on a 2-core VM (hosts are network namespaces, links shaped by tc; the "
+            "results say each section's link rate); every ratio against gloo measured in the same run.\n")
 
 
 def update_readme(readme: Path | None = None, check: bool = False) -> bool:

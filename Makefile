@@ -23,7 +23,7 @@ test: setup
 
 # The docs site in site/ (mkdocs.yml); --strict: a broken link or a reference entry that fails is an error.
 docs: setup
-	$(PY) -m mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 # torch's own distributed test suite on redsock next to gloo, world sizes 2 and 3 (tests/compat/compat.py).
 compat: setup

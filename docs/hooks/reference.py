@@ -3,7 +3,7 @@
 - A page's ``<!-- reference: NAME -->`` line becomes the generated markdown of ``redsock.reference``
   (environment, cli, headline), so the reference is rebuilt from the code on every build and cannot
   drift from it.
-- ``results/index.md``: a listing of the raw files ``redsock reproduce`` wrote beside results.md
+- ``results/files.md``: a listing of the raw files ``redsock reproduce`` wrote beside results.md
   (which links ``results/``), so the raw JSON and logs are part of the site.
 """
 
@@ -28,13 +28,13 @@ def on_files(files, config):
         listing = "# Raw results\n\nWhat `redsock reproduce` wrote for [the results](../results.md): " \
                   "benchmark output (`.log`), one JSON object per row (`.jsonl`) and the plots.\n\n"
         listing += "\n".join(f"- [{name}]({name})" for name in names) + "\n"
-        files.append(File.generated(config, "results/index.md", content=listing))
+        files.append(File.generated(config, "results/files.md", content=listing))
     return files
 
 
 def on_page_markdown(markdown, page, config, files):
     if page.file.src_uri == "results.md":  # written by `redsock reproduce`: its link to the folder
-        markdown = markdown.replace("](results/)", "](results/index.md)")
+        markdown = markdown.replace("](results/)", "](results/files.md)")
 
     def fill(m):
         text = GENERATORS[m.group(1)]()

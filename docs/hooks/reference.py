@@ -42,3 +42,9 @@ def on_page_markdown(markdown, page, config, files):
         return text.replace("](docs/results.md)", "](" + "../" * page.file.src_uri.count("/") + "results.md)")
 
     return re.sub(r"^<!-- reference: (\w+) -->$", fill, markdown, flags=re.M)
+
+
+def on_page_content(html, page, config, files):
+    # Docstrings here cross-reference the Sphinx way (:class:`Config`); markdown keeps the role's
+    # name in front of the code span: drop it.
+    return re.sub(r":(?:class|func|meth|mod|data|attr|exc|obj):(?=<code>)", "", html)

@@ -191,7 +191,7 @@ def _option_rows(parser: argparse.ArgumentParser) -> list[str]:
         shown = "" if hidden else f"`{default}`"
         text = formatter._expand_help(a) if a.help else ""
         if a.choices and not isinstance(a.choices, dict):
-            text += f" Choices: {', '.join(f'`{c}`' for c in a.choices)}."
+            text += ("; " if text else "") + "one of " + ", ".join(f"`{c}`" for c in a.choices)
         rows.append(f"| `{flags}` | {shown} | {_cell(text)} |")
     return rows
 

@@ -9,7 +9,6 @@ import sys
 
 from .errors import RedsockError
 
-
 #: (parent command, name, module, help): each module has add_arguments(parser) and run(args).
 COMMANDS = [
     ("bench", "transport", "redsock.bench.transport", "throughput and latency between two processes"),

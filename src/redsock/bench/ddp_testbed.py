@@ -43,11 +43,25 @@ from typing import Any, Sequence
 from ..errors import ConfigError, RedsockError
 from ..testbed import netns as nx
 from ..testbed.cluster import PROFILES, Testbed
+from ..testbed.launch import (
+    MASTER_PORT,
+    Proc,
+    no_interrupts,
+    rank0_output,
+    set_congestion_control,
+    start_ranks,
+    start_servers,
+    stop,
+    tail,
+    tcp_counters,
+    tcp_delta,
+    tcp_line,
+    terminate_as_interrupt,
+    wait_ranks,
+)
 from ..testbed.netns import format_rate, parse_rate
 from . import report
-from .procs import box_cpu, cpu_shares, no_interrupts, terminate_as_interrupt
-from .testbed_launch import (MASTER_PORT, Proc, rank0_output, set_congestion_control, start_ranks, start_servers,
-                             stop, tail, tcp_counters, tcp_delta, tcp_line, wait_ranks)
+from .procs import box_cpu, cpu_shares
 
 __all__ = ["ALGOS", "add_arguments", "parse_result", "run", "summarize", "train_script"]
 

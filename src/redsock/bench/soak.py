@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from .allreduce.inputs import count_wrong, make_input, reference
 from .allreduce.local import launch_local
 from .allreduce.rank import SweepProgress
-from .testbed_launch import proc_status
+from .procs import proc_status
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
 OPS = ["sum", "avg", "min", "max", "prod"]

@@ -30,8 +30,8 @@ from typing import Any
 
 from ..bench import report, suite
 from ..bench.bounds import GOODPUT_FACTOR
+from ..bench.procs import BUSY_LIMIT, MACHINE_BUSY_RE
 from ..bench.report import Row, human_size
-from ..bench.testbed_launch import BUSY_LIMIT, MACHINE_BUSY_RE
 from ..errors import ConfigError
 from ..testbed import netns
 from . import model

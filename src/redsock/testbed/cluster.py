@@ -34,9 +34,9 @@ namespaces by prefix alone, so they also clean up after a crashed run.
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
 import re
 import subprocess
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence, TypeVar

@@ -43,13 +43,25 @@ from typing import Any, Sequence
 from ...errors import ConfigError, RedsockError
 from ...testbed import netns as nx
 from ...testbed.cluster import Testbed
+from ...testbed.launch import (
+    SERVER_PORT,
+    Proc,
+    no_interrupts,
+    set_congestion_control,
+    start_ranks,
+    start_servers,
+    stop,
+    tail,
+    tcp_counters,
+    tcp_delta,
+    tcp_line,
+    terminate_as_interrupt,
+    wait_ranks,
+)
 from ...testbed.netns import format_rate, parse_rate
 from .. import report
-from ..procs import BoxCpu, box_cpu, cpu_shares, no_interrupts, terminate_as_interrupt
 from ..bounds import GOODPUT_FACTOR, host_nic_factor, ideal_over_gloo, link_goodput_GBps
-from ..testbed_launch import (BUSY_LIMIT, SERVER_PORT, Proc, cpu_line, proc_status,
-                             set_congestion_control, start_ranks, start_servers, stop, tail, tcp_counters, tcp_delta,
-                             tcp_line, wait_ranks)
+from ..procs import BUSY_LIMIT, BoxCpu, box_cpu, cpu_line, cpu_shares, proc_status
 from .options import child_argv
 
 # -- the summary -------------------------------------------------------------------

@@ -14,8 +14,7 @@ from datetime import timedelta
 
 import numpy as np
 
-from ...config import parse_size
-from ...errors import ConfigError, PeerFailure
+from ...errors import PeerFailure
 from ..report import human_size
 
 _CONNECT_S = 180.0  # 9 processes importing torch on 2 cores take a while

@@ -46,14 +46,24 @@ from pathlib import Path
 from ...errors import ConfigError, PeerFailure
 from ...testbed import netns as nx
 from ...testbed.cluster import Testbed
+from ...testbed.launch import (
+    Proc,
+    child_env,
+    no_interrupts,
+    set_congestion_control,
+    start_ranks,
+    start_servers,
+    stop,
+    tail,
+    terminate_as_interrupt,
+    wait_ranks,
+)
 from ...testbed.netns import format_rate, parse_rate
 from .. import report
 from ..allreduce.rank import B2B_ROUNDS
-from .loopback import fanin_call, fanin_join, fanin_reduce, run_threads
-from ..procs import box_cpu, cpu_shares, no_interrupts, terminate_as_interrupt
 from ..bounds import GOODPUT_FACTOR
-from ..testbed_launch import (Proc, child_env, set_congestion_control, start_ranks, start_servers,
-                             stop, tail, wait_ranks)
+from ..procs import box_cpu, cpu_shares
+from .loopback import fanin_call, fanin_join, fanin_reduce, run_threads
 
 FLOOR_PORT = 7800
 _ACCEPT_S = 120.0

@@ -5,8 +5,8 @@ driver (``--listen``, ``--connect``, ``--local``); the testbed mode drives the s
 from __future__ import annotations
 
 import argparse
-import logging
 import json
+import logging
 import os
 import signal
 import socket

@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test compat bench-transport reproduce clean
+.PHONY: setup demo lint test compat bench-transport reproduce clean
 
 setup: $(STAMP)
 
@@ -18,7 +18,14 @@ demo: setup
 	$(PY) -m redsock bench allreduce --nprocs 4 -b 16 -e 64M -f 4 --algo auto,gloo --check \
 		--json out/allreduce.json --plot out/allreduce.png
 
-test: setup
+# The layers and no-cycles contracts (import-linter), style and import order (ruff), types (mypy);
+# their settings, and the few deliberate exceptions, are in pyproject.toml.
+lint: setup
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check src
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -q
 
 # torch's own distributed test suite on redsock next to gloo, world sizes 2 and 3 (tests/compat/compat.py).
@@ -34,4 +41,4 @@ reproduce: setup
 	$(PY) -m redsock reproduce $(if $(filter 1 yes true,$(QUICK)),--quick)
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

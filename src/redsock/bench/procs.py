@@ -9,9 +9,10 @@ import signal
 import subprocess
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
 
 def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 10.0) -> None:
@@ -28,6 +29,10 @@ def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 10.0) -> 
             p.wait()
 
 
+#: The output files of the processes :func:`start_logged` started (gone with the process object).
+_LOGS: weakref.WeakKeyDictionary[subprocess.Popen, tuple[IO[str], IO[str]]] = weakref.WeakKeyDictionary()
+
+
 def start_logged(argv: Sequence[str], popen: Callable[..., subprocess.Popen] = subprocess.Popen,
                  **kwargs: Any) -> subprocess.Popen:
     """``popen(argv, **kwargs)`` with stdout and stderr going to unlinked temporary files, not
@@ -41,7 +46,7 @@ def start_logged(argv: Sequence[str], popen: Callable[..., subprocess.Popen] = s
         out.close()
         err.close()
         raise
-    proc.logs = (out, err)
+    _LOGS[proc] = (out, err)
     return proc
 
 
@@ -62,7 +67,7 @@ def wait_logged(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[tup
     outs = []
     for p in procs:
         texts = []
-        for f in p.logs:
+        for f in _LOGS[p]:
             f.seek(0)
             texts.append(f.read())
             f.close()

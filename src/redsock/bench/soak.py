@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         for _ in range(args.reducers):
             proc = subprocess.Popen([sys.executable, "-m", "redsock", "serve", "--host", "127.0.0.1", "--port", "0"],
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            m = re.search(r"on (\S+:\d+)", proc.stdout.readline())
+            m = re.search(r"on (\S+:\d+)", proc.stdout.readline() if proc.stdout else "")
             if not m:
                 raise ConfigError("a reduction server did not start")
             servers.append((proc, m.group(1)))

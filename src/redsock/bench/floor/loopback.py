@@ -10,7 +10,9 @@ import statistics
 import struct
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +42,11 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise PeerFailure("floor: peer closed the connection")
         view = view[n:]
+
+
+def _times(n: int, fn: Callable[..., object], *args: Any) -> None:
+    for _ in range(n):
+        fn(*args)
 
 
 def run_threads(targets: list) -> None:
@@ -102,8 +109,8 @@ def _ring_rank(rank: int, world: int, sizes: list[int], warmup: int, iters: int,
                 send_buf[:] = it & 0xFF
                 dist.barrier()
                 t0 = time.perf_counter()
-                run_threads([lambda: [to_next.sendall(send_buf) for _ in range(steps)],
-                             lambda: [_recv_exact(from_prev, memoryview(recv_buf)) for _ in range(steps)]])
+                run_threads([lambda: _times(steps, to_next.sendall, send_buf.data),
+                             lambda: _times(steps, _recv_exact, from_prev, recv_buf.data)])
                 t_floor = time.perf_counter() - t0
                 if not (recv_buf == (it & 0xFF)).all():  # the bytes really moved
                     raise PeerFailure(f"floor: rank {rank} received wrong bytes in iteration {it}")

@@ -360,14 +360,14 @@ def run(args: argparse.Namespace) -> int:
               f"{'same classes' if x['same_classes'] else 'DIFFERENT classes'})")
     for d in rows:
         if d.impl == "redsock" and d.balance == "dynamic" and d.nsocks >= nclasses:
-            r = next((x for x in rat if x["bytes"] == d.bytes and x["nsocks"] == d.nsocks), None)
+            vs = next((x for x in rat if x["bytes"] == d.bytes and x["nsocks"] == d.nsocks), None)
             ok_cap = d.extra["pct_capacity"] >= ACCEPT_PCT
             line = (f"{_human(d.bytes):>8} acceptance ({d.nsocks} streams): dynamic at "
                     f"{100 * d.extra['pct_capacity']:.1f}% of configured capacity "
                     f"({100 * d.extra['pct_goodput']:.1f}% of goodput capacity) "
                     f"{'>=' if ok_cap else '<'} {100 * ACCEPT_PCT:.0f}% [verdict on configured]")
-            if r is not None:
-                line += (f"; {r['ratio']:.2f}x static {'>=' if r['ratio'] >= ACCEPT_RATIO else '<'} "
+            if vs is not None:
+                line += (f"; {vs['ratio']:.2f}x static {'>=' if vs['ratio'] >= ACCEPT_RATIO else '<'} "
                          f"{ACCEPT_RATIO}x")
             print(line)
     if args.json:

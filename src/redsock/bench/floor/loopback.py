@@ -170,16 +170,29 @@ def run_ring(world: int, sizes: list[int], warmup: int, iters: int) -> list[dict
 
 # -------------------------------------------------------------------- fan-in
 
+def accept_n(srv: socket.socket, n: int, timeout_s: float, nodelay: bool = True) -> list[socket.socket]:
+    """``n`` connections off ``srv``, each with ``timeout_s`` on its I/O; none left open on failure."""
+    accepted: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            c, _ = srv.accept()
+            accepted.append(c)
+            c.settimeout(timeout_s)
+            if nodelay:
+                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException:
+        for c in accepted:
+            c.close()
+        raise
+    return accepted
+
+
 def fanin_accept(srv: socket.socket, nworkers: int) -> list[socket.socket]:
     """The fan-in reducer's connections, in rank order (each worker says its rank first)."""
     conns: list[socket.socket | None] = [None] * nworkers
-    accepted = []
+    accepted = accept_n(srv, nworkers, _IO_TIMEOUT_S)
     try:
-        for _ in range(nworkers):
-            c, _ = srv.accept()
-            accepted.append(c)
-            c.settimeout(_IO_TIMEOUT_S)
-            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for c in accepted:
             hello = bytearray(4)
             _recv_exact(c, memoryview(hello))
             rank = struct.unpack("<i", hello)[0]

@@ -170,8 +170,10 @@ def run_ring(world: int, sizes: list[int], warmup: int, iters: int) -> list[dict
 
 # -------------------------------------------------------------------- fan-in
 
-def accept_n(srv: socket.socket, n: int, timeout_s: float, nodelay: bool = True) -> list[socket.socket]:
-    """``n`` connections off ``srv``, each with ``timeout_s`` on its I/O; none left open on failure."""
+def accept_n(srv: socket.socket, n: int, timeout_s: float, nodelay: bool = True,
+             on_accept: Callable[[socket.socket], None] | None = None) -> list[socket.socket]:
+    """``n`` connections off ``srv``, each with ``timeout_s`` on its I/O and handed to ``on_accept``
+    as it arrives; none left open on failure."""
     accepted: list[socket.socket] = []
     try:
         for _ in range(n):
@@ -180,6 +182,8 @@ def accept_n(srv: socket.socket, n: int, timeout_s: float, nodelay: bool = True)
             c.settimeout(timeout_s)
             if nodelay:
                 c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if on_accept is not None:
+                on_accept(c)
     except BaseException:
         for c in accepted:
             c.close()
@@ -190,19 +194,16 @@ def accept_n(srv: socket.socket, n: int, timeout_s: float, nodelay: bool = True)
 def fanin_accept(srv: socket.socket, nworkers: int) -> list[socket.socket]:
     """The fan-in reducer's connections, in rank order (each worker says its rank first)."""
     conns: list[socket.socket | None] = [None] * nworkers
-    accepted = accept_n(srv, nworkers, _IO_TIMEOUT_S)
-    try:
-        for c in accepted:
-            hello = bytearray(4)
-            _recv_exact(c, memoryview(hello))
-            rank = struct.unpack("<i", hello)[0]
-            if not 0 <= rank < nworkers or conns[rank] is not None:
-                raise PeerFailure(f"floor: a worker said it is rank {rank} (of {nworkers}, or twice)")
-            conns[rank] = c
-    except BaseException:
-        for c in accepted:
-            c.close()
-        raise
+
+    def place(c: socket.socket) -> None:  # as it arrives: a bad rank fails before the rest connect
+        hello = bytearray(4)
+        _recv_exact(c, memoryview(hello))
+        rank = struct.unpack("<i", hello)[0]
+        if not 0 <= rank < nworkers or conns[rank] is not None:
+            raise PeerFailure(f"floor: a worker said it is rank {rank} (of {nworkers}, or twice)")
+        conns[rank] = c
+
+    accept_n(srv, nworkers, _IO_TIMEOUT_S, on_accept=place)
     return conns  # type: ignore[return-value]
 
 

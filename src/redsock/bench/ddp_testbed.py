@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sgd (default: cheap, so the step is mostly gradient exchange) or adamw")
     p.add_argument("--tcp-cc", metavar="NAME", default="reno", help="TCP congestion control in the hosts")
     p.add_argument("--prefix", help="namespace prefix (default rsdp<pid>)")
-    p.add_argument("--timeout", type=float, default=600.0, help="launch.stop everything after this many seconds")
+    p.add_argument("--timeout", type=float, default=600.0, help="stop everything after this many seconds")
     p.add_argument("--json", metavar="FILE", help="write one JSON object per algorithm")
 
 

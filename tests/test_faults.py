@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from redsock.bench import faults
+from redsock import faults
 from redsock.testbed import cleanup_prefix, list_prefix_netns
 
 IS_ROOT = os.geteuid() == 0

@@ -22,6 +22,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import config as config_module
 from .config import OTHER_VARIABLES, Config, env_var
@@ -70,8 +71,9 @@ def variables() -> list[Variable]:
     return out
 
 
-def _format_default(f: dataclasses.Field) -> str:
-    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+def _format_default(f: dataclasses.Field[Any]) -> str:
+    factory: Any = f.default_factory  # (MISSING where the field has a plain default)
+    value = f.default if f.default is not dataclasses.MISSING else factory()
     if value is None or value == ():
         return "unset"
     if isinstance(value, bool):
@@ -105,7 +107,8 @@ def _allowed_values(f: dataclasses.Field) -> str:
     probe = _PROBES.get(base)
     if probe is not None:
         try:
-            Config(**{f.name: probe})
+            probe_args: dict[str, Any] = {f.name: probe}
+            Config(**probe_args)
         except ConfigError as e:
             m = re.search(r"must be (.*?)(?:, got .*)?$", str(e))
             if m and m.group(1).startswith("one of ("):  # "one of ('dynamic', 'static')"

@@ -5,7 +5,7 @@ through the reducers)} x faults {worker
 SIGKILL, worker SIGSTOP, worker host's link down, worker host's link down for 3 s then up,
 reducer SIGTERM, reducer SIGKILL, reducer host's link down} (reducer faults where reducers are
 used, once more with ``REDSOCK_SERVER_FALLBACK=ring``), on one emulated cluster: worker hosts
-``w0..w2`` and reducer host ``s0``.  A cell runs :mod:`redsock.bench.fault_job` on every rank
+``w0..w2`` and reducer host ``s0``.  A cell runs :mod:`redsock.faults.job` on every rank
 (repeated all-reduces checked against a closed form), injects the fault once every rank has
 finished its first step and a little more, and expects:
 
@@ -35,13 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Sequence
 
+from ..bench.procs import box_cpu, cpu_shares
 from ..config import parse_size
 from ..errors import ConfigError, RedsockError
 from ..testbed import netns as nx
 from ..testbed.cluster import RankSlot, Testbed, cleanup_prefix, list_prefix_netns, place_ranks
+from ..testbed.launch import SERVER_PORT, Proc, child_env, rank_env, start_servers, stop
 from ..transport.shm import ARENA_DIR, ARENA_PREFIX
-from .procs import box_cpu, cpu_shares
-from .testbed_launch import SERVER_PORT, Proc, child_env, rank_env, start_servers, stop
 
 __all__ = ["ALGOS", "FAULTS", "Cell", "Outcome", "add_arguments", "matrix", "run", "run_cell", "run_matrix",
            "table"]
@@ -226,7 +226,7 @@ def run_cell(tb: Testbed, cell: Cell, timeout_s: float, logdir: Path, port: int,
             env = rank_env(tb, slot, world, port)
             if not uses_reducer:
                 env.pop("REDSOCK_SERVERS", None)
-            argv = [sys.executable, "-m", "redsock.bench.fault_job", "--steps", str(steps), "--count", str(count),
+            argv = [sys.executable, "-m", "redsock.faults.job", "--steps", str(steps), "--count", str(count),
                     "--algo", algo, "--pause", str(pause)]
             err = (cell_dir / f"{slot.label}.err").open("w")
             proc = tb.popen(slot.host, argv, env=child_env({**env, **extra}), stdout=subprocess.PIPE, stderr=err,
@@ -245,10 +245,8 @@ def run_cell(tb: Testbed, cell: Cell, timeout_s: float, logdir: Path, port: int,
         # -- the fault
         victim_rank = next((r for r in ranks if r.slot.rank in victims), None)
         t_fault = time.time()
-        if cell.fault == "kill":
-            victim_rank.proc.send_signal(signal.SIGKILL)
-        elif cell.fault == "stop":
-            victim_rank.proc.send_signal(signal.SIGSTOP)
+        if cell.fault in ("kill", "stop") and victim_rank is not None:  # (a rank fault always names one)
+            victim_rank.proc.send_signal(signal.SIGKILL if cell.fault == "kill" else signal.SIGSTOP)
         elif cell.fault in ("link", "flap"):
             _set_link(tb, VICTIM_HOST, False)
             cut = True

@@ -16,6 +16,7 @@ import html
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -74,17 +75,37 @@ def quick_start_blocks() -> list[Block]:
     return [b for b in blocks(README) if first <= b.line <= last and b.lang in ("bash", "python")]
 
 
+#: The ports the examples use (a reducer on 7700/7701, its metrics on 9100/9101).
+DOC_PORTS = re.compile(r"(?<![\d.])(7700|7701|9100|9101)(?!\d)")
+
+
+def with_free_ports(code: str) -> str:
+    """The block with each documented port replaced by one that is free now, the same one
+    wherever it appears: two test runs, or anything else on this machine, never meet there."""
+    held = {}
+    try:
+        for port in sorted(set(DOC_PORTS.findall(code))):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            held[port] = sock
+        return DOC_PORTS.sub(lambda m: str(held[m.group(1)].getsockname()[1]), code)
+    finally:
+        for sock in held.values():
+            sock.close()
+
+
 def run(block: Block, timeout: float = 150) -> subprocess.CompletedProcess:
     """Run a block as its reader would, from the repository root with .venv/bin on the PATH, in a
     session of its own: whatever it leaves running (a `redsock serve &`) is killed afterwards."""
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", PYTHONUNBUFFERED="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
+    code = with_free_ports(block.code)
     if block.lang == "bash":
-        argv = ["bash", "-e", "-o", "pipefail", "-c", block.code]
+        argv = ["bash", "-e", "-o", "pipefail", "-c", code]
     else:
         script = Path(os.environ.get("TMPDIR", "/tmp")) / f"redsock-docs-{os.getpid()}-{block.line}.py"
-        script.write_text(block.code)
+        script.write_text(code)
         argv = [str(BIN / "python"), str(script)]
         if block.marker and block.marker[0] == "torchrun":
             argv = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", block.marker[1], str(script)]

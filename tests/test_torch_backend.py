@@ -184,6 +184,25 @@ def test_single_rank_group_in_process_and_clear_errors():
         dist.destroy_process_group()
 
 
+def test_a_waited_work_has_its_future_set_even_while_callbacks_run():
+    """Futures are set on a delivery thread (callbacks may wait for collectives); wait() still
+    returns only once the future is set, as gloo's does, so reading the value right after
+    wait() works even while an earlier Work's callback holds the delivery thread."""
+    import redsock.torch  # noqa: F401
+
+    dist.init_process_group("redsock", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+    try:
+        # as an earlier Work's slow callback would: hold the in-order delivery thread a while
+        busy = dist.group.WORLD._tracker._in_order.submit(time.sleep, 0.5)
+        x = torch.arange(4, dtype=torch.float32)
+        work = dist.all_reduce(x, async_op=True)
+        assert work.wait()
+        assert work.get_future().value()[0] is x
+        busy.result()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_collective_c10d_waits_for_runs_in_the_callers_thread():
     """``async_op=False`` (c10d says so in ``opts.asyncOp``): the communicator is called
     synchronously from the caller's thread, and its failure is the Work's, raised by

@@ -291,8 +291,8 @@ def async_ops(gloo) -> None:
 
 def nested(gloo) -> None:
     """A future's callback starts another all-reduce of the same group and waits for it (as
-    torch's PowerSGD hook does), two levels deep, with several such chains in flight: each
-    must finish with gloo's results instead of waiting on the thread that would run it."""
+    torch's PowerSGD hook does), two levels deep: each must finish with the closed-form result
+    instead of waiting on the thread that would run it."""
     rank, world = dist.get_rank(), dist.get_world_size()
     total = float(sum(range(1, world + 1)))
 
@@ -306,11 +306,12 @@ def nested(gloo) -> None:
         work = dist.all_reduce(z, async_op=True)
         return work.get_future().then(inner_then).wait()  # level 1 waits for level 2's chain
 
-    chains = []
+    # One chain at a time: the callbacks of chains in flight together run on different threads
+    # (torch runs a callback on the caller's thread when its future is already set), so their
+    # nested collectives would start in a different order on each rank — as with any backend.
     for n in (5, 70_000, 600_000):  # inline, data streams, large enough for every path
         x = torch.full((n,), float(rank + 1))
-        chains.append((n, dist.all_reduce(x, async_op=True).get_future().then(outer_then)))
-    for n, fut in chains:
+        fut = dist.all_reduce(x, async_op=True).get_future().then(outer_then)
         # closed form: s = sum(rank+1); level 1: world * (s + 1); level 2: world * 2 * that
         same(fut.wait(), torch.full((n,), world * 2 * world * (total + 1)), f"nested callbacks n={n}")
     # the group keeps working afterwards, as gloo's does

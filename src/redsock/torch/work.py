@@ -15,6 +15,10 @@ across ranks).  An operation started *inside* a callback is delivered on a side 
 once: the callback that waits for it holds the in-order thread.  (So a callback may wait
 for collectives it starts, not for the future of a later top-level operation.)
 
+``wait()`` returns once the future is set too, as gloo's does (code that waits for a Work and
+then reads ``get_future().value()`` finds it set) — except on the in-order thread, where the
+future of a top-level operation may be queued behind the very callback that waits.
+
 Why not ``_create_work_from_future``: in torch 2.13 the Work it returns reports
 success from ``wait()`` even when the future failed, and a Python
 ``Future.set_exception`` only marks the *Python* wrapper as failed — C++
@@ -89,6 +93,8 @@ class RedsockWork(dist.Work):
             if not self._latch.acquire(timeout=seconds or -1):
                 raise Timeout(f"redsock {self.what} not complete after {seconds:g}s", op=self.what)
             self._latch.release()  # (for every other waiter)
+        if not self._private.done() and (self.nested or not getattr(_delivery, "in_order", False)):
+            self._private.wait()  # being set on a delivery thread (holds a value or _Failed: never raises)
         if self._error is not None:
             raise self._error
         return True
@@ -171,11 +177,12 @@ class RedsockWork(dist.Work):
 #: callback: one more per level of callbacks that wait for a nested collective.
 SIDE_THREADS = 16
 
-_delivery = threading.local()  # .active: this thread runs future callbacks
+_delivery = threading.local()  # .active: this thread runs future callbacks; .in_order: the in-order one
 
 
-def _mark_delivery_thread() -> None:
+def _mark_delivery_thread(in_order: bool = False) -> None:
     _delivery.active = True
+    _delivery.in_order = in_order
 
 
 class Tracker:
@@ -190,7 +197,7 @@ class Tracker:
         self._lock = threading.Lock()
         self._coalescing: list[RedsockWork] | None = None
         self._in_order = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-deliver",
-                                            initializer=_mark_delivery_thread)
+                                            initializer=_mark_delivery_thread, initargs=(True,))
         self._side = ThreadPoolExecutor(max_workers=SIDE_THREADS, thread_name_prefix=f"{name}-nested",
                                         initializer=_mark_delivery_thread)
 

@@ -17,6 +17,7 @@ import redsock
 from redsock import ops
 from redsock.bench.allreduce import count_wrong, make_input, reference
 from redsock.bootstrap import FileStore
+from redsock.collectives.communicator import SERVER_MIN_BYTES
 from redsock.errors import ConfigError, PeerFailure, RedsockError, WireOverflow
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
@@ -363,10 +364,14 @@ def wire_matrix(comm, rank, world):
     rank (digests).  Then what must be refused, and fp16 overflow raising on every rank."""
     algos = [None, "ring", "small"] + (["server"] if comm.servers is not None else [])
 
-    def crosses_wire(algo, nbytes):  # whether the result went through a 16-bit stage
+    def crosses_wire(algo, nbytes):  # whether the whole result went through a 16-bit stage
         chosen = comm.choose_algorithm(nbytes, algo)
-        return chosen in ("ring", "server") or (chosen == "hier" and comm.hier.inter_algorithm(nbytes) != "small"
-                                                and comm.hier.nhosts > 1)
+        if chosen != "hier":
+            return chosen in ("ring", "server")
+        # Between hosts each shard of each piece picks its own algorithm (the smallest piece
+        # here is above the reducers' threshold when its shard is): "small" carries float32.
+        shard = min(nbytes, comm.hier.local.region_bytes) // comm.hier.topology.shards
+        return comm.hier.nhosts > 1 and comm.servers is not None and shard >= SERVER_MIN_BYTES
     for wire in ("bf16", "fp16"):
         wdt = ops.wire_dtype(wire)
         for algo in algos:

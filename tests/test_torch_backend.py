@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from redsock.bench.procs import start_logged, stop_processes, wait_logged
+from redsock.errors import ConfigError
 from test_server import start_reducer
 
 torch = pytest.importorskip("torch")
@@ -217,10 +218,10 @@ def test_a_collective_c10d_waits_for_runs_in_the_callers_thread():
 # -- DDP training ------------------------------------------------------------------------------
 
 def train(tmp_path: Path, name: str, backend: str, *, hook: str = "none", env: dict[str, str] | None = None,
-          world: int = 3) -> list[dict[str, torch.Tensor]]:
+          world: int = 3, extra: tuple[str, ...] = ()) -> list[dict[str, torch.Tensor]]:
     """Train the example LM (small) on ``world`` ranks; returns each rank's final parameters."""
     files = str(tmp_path / f"{name}_{{rank}}.pt")
-    outs = launch([str(TRAIN), "--backend", backend, "--hook", hook, *SMALL_LM, "--save-params", files],
+    outs = launch([str(TRAIN), "--backend", backend, "--hook", hook, *SMALL_LM, *extra, "--save-params", files],
                   world, env=env, timeout=150)
     for r, (code, out, err) in enumerate(outs):
         assert code == 0, f"{name}: rank {r} failed:\n{out[-2000:]}\n{err[-6000:]}"
@@ -278,3 +279,51 @@ def test_ddp_comm_hook_on_a_gloo_job_matches_gloo(tmp_path, gloo_params):
     params = train(tmp_path, "hook", "gloo", hook="redsock", env={"REDSOCK_ALGO": "ring"})
     assert_identical_across_ranks(params, "gloo + redsock hook")
     assert_close_to(params[0], gloo_params, "gloo + redsock hook")
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_compress_hook_keeps_ranks_identical_and_near_float32(tmp_path, gloo_params, reducers, wire):
+    """The 16-bit wire through the reducers with error feedback: every rank the same bits,
+    the parameters near float32 training's (bf16 rounds at 2^-9 relative, so not bitwise)."""
+    params = train(tmp_path, f"compress-{wire}", "gloo", hook="compress", extra=("--wire", wire),
+                   env={"REDSOCK_SERVERS": reducers, "REDSOCK_ALGO": "server", "REDSOCK_PIECE_BYTES": "16K"})
+    assert_identical_across_ranks(params, f"compress {wire}")
+    differ = 0
+    for k, ref in gloo_params.items():
+        torch.testing.assert_close(params[0][k], ref, rtol=2e-2, atol=2e-3, msg=lambda m: f"compress {wire} {k}: {m}")
+        differ += not torch.equal(params[0][k], ref)
+    assert differ, "the 16-bit wire changed nothing: was it used?"
+
+
+def test_compress_hook_refuses_what_it_cannot_carry():
+    from redsock.torch import compress_hook
+
+    for bad in ("off", "fp32", "int8"):
+        with pytest.raises(ConfigError, match="bf16 or fp16"):
+            compress_hook(bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compress_hook_casts_cuda_buckets_on_the_device(tmp_path):
+    """A CUDA bucket is rounded on the GPU and crosses to the host as 16 bits; the average
+    comes back to the device in float32 (one rank; the wire's rounding is what is checked)."""
+    import redsock
+    from redsock.bootstrap import FileStore
+    from redsock.torch import HookState, compress_hook
+
+    class Bucket:  # the two methods of dist.GradBucket the hook uses
+        def __init__(self, t):
+            self.t = t
+
+        def buffer(self):
+            return self.t
+
+        def index(self):
+            return 0
+
+    g = torch.randn(1 << 20, device="cuda") * 3
+    want = g.to(torch.bfloat16).float()
+    with redsock.init(0, 1, FileStore(str(tmp_path)), servers=()) as comm:
+        hook = compress_hook("bf16", error_feedback=True)
+        got = hook(HookState(comm), Bucket(g.clone())).wait()
+    assert got.is_cuda and torch.equal(got, want)

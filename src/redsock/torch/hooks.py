@@ -8,6 +8,12 @@ For jobs that keep another backend (gloo, nccl) for everything else::
     model.register_comm_hook(state, redsock.torch.allreduce_hook)
 
 The hook averages (sum, then divide by the world size), like DDP's default.
+
+:func:`compress_hook` does the same on a 16-bit wire (half the bytes), summing in float32,
+with error feedback: each rank keeps what rounding took from each bucket and adds it to that
+bucket's next gradient, so that over the steps nothing is lost::
+
+    model.register_comm_hook(state, redsock.torch.compress_hook(wire="bf16"))
 """
 
 # No `from __future__ import annotations` here: DDP compares allreduce_hook's annotations with
@@ -19,14 +25,16 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import ops
 from ..api import init as redsock_init
 from ..collectives import Communicator
 from ..errors import ConfigError
 from .backend import ProcessGroupRedsock, new_communicator
-from .bridge import Staged, cuda_devices, sync_devices
+from .bridge import Staged, copy_into, cuda_devices, sync_devices
 from .work import RedsockWork, Tracker
 
 _hook_counts: defaultdict[str, itertools.count] = defaultdict(itertools.count)
@@ -83,3 +91,58 @@ def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
 
     state.tracker.complete_when_done(work, [part], finish, keep=staged)
     return work.get_future()
+
+
+_TORCH_WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compress_hook(wire: str = "bf16", error_feedback: bool = True):
+    """A DDP comm hook (use it as :func:`allreduce_hook`) that averages float32 buckets on a
+    16-bit ``wire`` ("bf16" or "fp16"): each rank rounds its bucket once, to nearest even (on
+    the GPU for a CUDA bucket, so the copy to the host halves too), the sum is float32, the
+    result rounded once.  ``error_feedback``: each rank adds the rounding residual of a bucket
+    to the same bucket's next gradient (the residual is exact: the bucket is rounded here,
+    so the all-reduce's own rounding of it changes nothing).  On the fp16 wire an average
+    beyond 65504 fails the step with :class:`~redsock.errors.WireOverflow` on every rank.
+    """
+    name = wire.strip().lower() if isinstance(wire, str) else wire
+    if name not in _TORCH_WIRE:
+        raise ConfigError(f"compress_hook: wire must be bf16 or fp16, got {wire!r} (for float32, allreduce_hook)")
+    low_dtype, wire_np = _TORCH_WIRE[name], ops.wire_dtype(name)
+    residuals: dict[int, torch.Tensor] = {}  # bucket index -> what rounding took from it last step
+
+    def hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        tensor = bucket.buffer()
+        if tensor.dtype != torch.float32:
+            raise ConfigError(f"compress_hook: gradients are {tensor.dtype}; the 16-bit wire is for float32")
+        if error_feedback:
+            kept = residuals.get(bucket.index())
+            if kept is not None and kept.shape == tensor.shape and kept.device == tensor.device:
+                tensor.add_(kept)  # (DDP rebuilds its buckets after the first step: a new shape starts afresh)
+        low = tensor.to(low_dtype)  # rounded once, on the tensor's device
+        if error_feedback:
+            residuals[bucket.index()] = tensor - low.to(torch.float32)
+        work = RedsockWork("compress_hook", cuda_devices([tensor]))
+        if tensor.is_cuda:  # 16 bits to the host, widened there, the average back in float32
+            staged = Staged(low, read=True, write=False, what="compress_hook")
+            sync_devices([low])
+            array = np.empty(tensor.numel(), np.float32)
+            ops.from_wire(staged.array, array)
+        else:
+            tensor.copy_(low)  # exactly representable now: the wire's own rounding is exact
+            staged = Staged(tensor, read=True, write=True, what="compress_hook")
+            array = staged.array
+        part = state.comm.all_reduce(array, "avg", async_op=True, wire_dtype=wire_np).get_future()
+
+        def finish() -> torch.Tensor:
+            if tensor.is_cuda:
+                copy_into(tensor, torch.from_numpy(array).view(tensor.shape))
+            else:
+                staged.finish()
+            return tensor
+
+        state.tracker.complete_when_done(work, [part], finish, keep=staged)
+        return work.get_future()
+
+    hook.__name__ = hook.__qualname__ = f"compress_hook_{name}{'_ef' if error_feedback else ''}"
+    return hook

@@ -72,8 +72,9 @@ class SyntheticTokens:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="redsock", help="redsock or gloo (any torch.distributed backend)")
-    p.add_argument("--hook", choices=["none", "redsock", "compress", "torch-fp16"], default="none",
+    p.add_argument("--hook", choices=["none", "redsock", "powersgd", "compress", "torch-fp16"], default="none",
                    help="redsock: keep --backend for everything else, all-reduce gradient buckets with redsock; "
+                        "powersgd: torch's PowerSGD hook (rank 2, compressed from step 2) on --backend; "
                         "compress: redsock.torch.compress_hook (16-bit wire, float32 sums); "
                         "torch-fp16: torch's fp16_compress_hook on --backend")
     p.add_argument("--wire", choices=["bf16", "fp16"], default="bf16", help="the compress hook's wire type")
@@ -118,6 +119,13 @@ def main(argv: list[str] | None = None) -> None:
 
         hook_state = HookState.from_process_group()
         ddp.register_comm_hook(hook_state, allreduce_hook)
+    elif args.hook == "powersgd":
+        # Its future callbacks start and wait for further all-reduces: a backend must run them
+        # where a nested collective can still make progress.
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        state = powersgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
     elif args.hook == "compress":
         from redsock.torch import HookState, compress_hook
 

@@ -356,3 +356,13 @@ def test_compress_hook_casts_cuda_buckets_on_the_device(tmp_path):
         hook = compress_hook("bf16", error_feedback=True)
         got = hook(HookState(comm), Bucket(g.clone())).wait()
     assert got.is_cuda and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("algo", ["server", "ring"])
+def test_wire_accuracy_8_ranks_against_torch_fp16_compress_hook(reducers, algo):
+    """8 ranks, 1M mixed-magnitude float32: redsock's fp16 wire errs less than torch's
+    fp16_compress_hook on gloo on the same inputs; bf16 within its bound on every element."""
+    outs = launch([str(WORKER), "wire_accuracy"], 8, timeout=240,
+                  env={"REDSOCK_SERVERS": reducers, "TEST_WIRE_ALGO": algo, "TEST_TIMEOUT_S": "120"})
+    check_ok(outs)
+    print(next(line for line in outs[0][1].splitlines() if line.startswith("largest")))

@@ -51,7 +51,7 @@ from .errors import ConfigError, ProtocolError, WireOverflow
 __all__ = [
     "SUPPORTED_DTYPES", "ReduceOp", "accum_dtype", "accumulate", "bfloat16", "check_dtype", "combine", "copy",
     "dtype_code", "dtype_from_code", "dtype_from_name", "finalize", "init_acc", "reduce_arrays", "reduce_rows",
-    "row_reducer", "WIRE_DTYPES", "check_wire_code", "check_wire_result", "from_wire", "to_wire",
+    "row_reducer", "WIRE_DTYPES", "WIRE_NAMES", "check_wire_code", "check_wire_result", "from_wire", "to_wire",
     "wire_dtype", "wire_error_bound", "wire_for",
 ]
 
@@ -481,7 +481,7 @@ def reduce_arrays(arrays: Sequence[np.ndarray], op: ReduceOp | str = ReduceOp.SU
 
 #: The wire types of a float32 sum, by the names REDSOCK_WIRE_DTYPE takes.
 WIRE_DTYPES: dict[str, np.dtype] = {"bf16": bfloat16, "fp16": _F16}
-_WIRE_NAME: dict[np.dtype, str] = {dt: name for name, dt in WIRE_DTYPES.items()}
+WIRE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in WIRE_DTYPES.items()}
 #: Ops whose result the wire's bound covers (a sum, or a sum divided once).
 _WIRE_OPS = (ReduceOp.SUM, ReduceOp.AVG)
 #: Unit roundoff (half the spacing at 1.0) and half the smallest subnormal of each wire type.
@@ -516,7 +516,7 @@ def wire_for(dtype: np.dtype, op: ReduceOp, wire: np.dtype | None, explicit: boo
         return wire
     if explicit:
         what = f"{dtype} buffers" if dtype != _F32 else f"op {op.name.lower()}"
-        raise ConfigError(f"wire_dtype={_WIRE_NAME[wire]} applies to float32 sum/avg all-reduces only, "
+        raise ConfigError(f"wire_dtype={WIRE_NAMES[wire]} applies to float32 sum/avg all-reduces only, "
                           f"not {what} (integers and float64 always travel as they are)")
     return None
 

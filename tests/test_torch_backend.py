@@ -332,6 +332,37 @@ def test_compress_hook_refuses_what_it_cannot_carry():
             compress_hook(bad)
 
 
+class _Bucket:  # the two methods of dist.GradBucket the compress hook uses
+    def __init__(self, t, index=0):
+        self.t, self.i = t, index
+
+    def buffer(self):
+        return self.t
+
+    def index(self):
+        return self.i
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_compress_hook_feeds_each_buckets_rounding_residual_into_its_next_step(tmp_path, feedback):
+    """One rank (its all-reduce is the identity): step 1 gives round(g1); step 2 gives
+    round(g2 + g1 - round(g1)) with error feedback, round(g2) without; buckets keep their own."""
+    import redsock
+    from redsock.bootstrap import FileStore
+    from redsock.torch import HookState, compress_hook
+
+    def rnd(t):
+        return t.to(torch.bfloat16).float()
+
+    g1, g2, other = (torch.randn(1000) * 3 for _ in range(3))
+    with redsock.init(0, 1, FileStore(str(tmp_path)), servers=()) as comm:
+        state, hook = HookState(comm), compress_hook("bf16", error_feedback=feedback)
+        assert torch.equal(hook(state, _Bucket(g1.clone())).wait(), rnd(g1))
+        assert torch.equal(hook(state, _Bucket(other.clone(), 1)).wait(), rnd(other))  # another bucket
+        got = hook(state, _Bucket(g2.clone())).wait()
+    assert torch.equal(got, rnd(g2 + (g1 - rnd(g1))) if feedback else rnd(g2))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compress_hook_casts_cuda_buckets_on_the_device(tmp_path):
     """A CUDA bucket is rounded on the GPU and crosses to the host as 16 bits; the average
@@ -340,21 +371,11 @@ def test_compress_hook_casts_cuda_buckets_on_the_device(tmp_path):
     from redsock.bootstrap import FileStore
     from redsock.torch import HookState, compress_hook
 
-    class Bucket:  # the two methods of dist.GradBucket the hook uses
-        def __init__(self, t):
-            self.t = t
-
-        def buffer(self):
-            return self.t
-
-        def index(self):
-            return 0
-
     g = torch.randn(1 << 20, device="cuda") * 3
     want = g.to(torch.bfloat16).float()
     with redsock.init(0, 1, FileStore(str(tmp_path)), servers=()) as comm:
         hook = compress_hook("bf16", error_feedback=True)
-        got = hook(HookState(comm), Bucket(g.clone())).wait()
+        got = hook(HookState(comm), _Bucket(g.clone())).wait()
     assert got.is_cuda and torch.equal(got, want)
 
 

@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 examples/train_lm.py --backend redsock
     torchrun --nproc-per-node 4 examples/train_lm.py --backend gloo
     torchrun --nproc-per-node 4 examples/train_lm.py --backend gloo --hook redsock   # gloo + redsock buckets
+    torchrun ... --hook compress --wire bf16    # buckets on redsock's 16-bit wire, error feedback
     REDSOCK_SERVERS=host:7700 torchrun ... --backend redsock                         # via reduction servers
 
 The default model (4 layers, d_model 256, vocab 8192, sequence 128) has 7.4 M
@@ -71,9 +72,13 @@ class SyntheticTokens:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="redsock", help="redsock or gloo (any torch.distributed backend)")
-    p.add_argument("--hook", choices=["none", "redsock", "powersgd"], default="none",
+    p.add_argument("--hook", choices=["none", "redsock", "powersgd", "compress", "torch-fp16"], default="none",
                    help="redsock: keep --backend for everything else, all-reduce gradient buckets with redsock; "
-                        "powersgd: torch's PowerSGD hook (rank 2, compressed from step 2) on --backend")
+                        "powersgd: torch's PowerSGD hook (rank 2, compressed from step 2) on --backend; "
+                        "compress: redsock.torch.compress_hook (16-bit wire, float32 sums); "
+                        "torch-fp16: torch's fp16_compress_hook on --backend")
+    p.add_argument("--wire", choices=["bf16", "fp16"], default="bf16", help="the compress hook's wire type")
+    p.add_argument("--no-error-feedback", action="store_true", help="the compress hook without error feedback")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the steps/s figure")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
@@ -99,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.backend == "redsock" or args.hook == "redsock":
+    if args.backend == "redsock" or args.hook in ("redsock", "compress"):
         import redsock.torch  # noqa: F401 - registers the backend (also autoloaded by `import torch`)
     dist.init_process_group(args.backend, timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -121,6 +126,15 @@ def main(argv: list[str] | None = None) -> None:
 
         state = powersgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
         ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    elif args.hook == "compress":
+        from redsock.torch import HookState, compress_hook
+
+        hook_state = HookState.from_process_group()
+        ddp.register_comm_hook(hook_state, compress_hook(args.wire, error_feedback=not args.no_error_feedback))
+    elif args.hook == "torch-fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        ddp.register_comm_hook(None, fp16_compress_hook)
     lr = args.lr if args.lr is not None else (1e-3 if args.optimizer == "adamw" else 0.05)
     opt = (torch.optim.AdamW(ddp.parameters(), lr=lr) if args.optimizer == "adamw"
            else torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9))

@@ -17,7 +17,8 @@ import redsock
 from redsock import ops
 from redsock.bench.allreduce import count_wrong, make_input, reference
 from redsock.bootstrap import FileStore
-from redsock.errors import PeerFailure, RedsockError
+from redsock.collectives.communicator import SERVER_MIN_BYTES
+from redsock.errors import ConfigError, PeerFailure, RedsockError, WireOverflow
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
 OPS = ["sum", "avg", "min", "max", "prod"]
@@ -356,6 +357,84 @@ def closes(comm, rank, world):
     import gc
     gc.collect()
     assert "/dev/shm/redsock-" not in open("/proc/self/maps").read(), "arena still mapped after close()"
+
+
+def wire_inputs(n, world, seed, scale):
+    """Every rank's float32 input of mixed magnitude (2^-20 .. 2^8 times ``scale``), the same
+    on every rank, so each can compute the float64 reference itself."""
+    rows = []
+    for r in range(world):
+        rng = np.random.default_rng(seed * 1000 + r)
+        rows.append((rng.standard_normal(n) * 2.0 ** rng.integers(-20, 8, n) * scale).astype(np.float32))
+    return rows
+
+
+def wire_matrix(comm, rank, world):
+    """float32 sum/avg on the bf16 and fp16 wires through every algorithm this job has: within
+    the bound of ops.wire_error_bound on every element against float64; where the result
+    crossed a 16-bit stage, every element representable in the wire type; same bits on every
+    rank (digests).  Then what must be refused, and fp16 overflow raising on every rank."""
+    algos = [None, "ring", "small"] + (["server"] if comm.servers is not None else [])
+
+    def crosses_wire(algo, nbytes):  # whether the whole result went through a 16-bit stage
+        chosen = comm.choose_algorithm(nbytes, algo)
+        if chosen != "hier":
+            return chosen in ("ring", "server")
+        # Between hosts each shard of each piece picks its own algorithm (the smallest piece
+        # here is above the reducers' threshold when its shard is): "small" carries float32.
+        shard = min(nbytes, comm.hier.local.region_bytes) // comm.hier.topology.shards
+        return comm.hier.nhosts > 1 and comm.servers is not None and shard >= SERVER_MIN_BYTES
+    for wire in ("bf16", "fp16"):
+        wdt = ops.wire_dtype(wire)
+        for algo in algos:
+            for opname in ("sum", "avg"):
+                for n in (1, 1000, 65537, 300_001):
+                    rows = wire_inputs(n, world, n % 97, 1.0 / world)
+                    wide = np.stack(rows).astype(np.float64)
+                    exact = wide.sum(axis=0)
+                    x = rows[rank].copy()
+                    comm.all_reduce(x, opname, algorithm=algo, wire_dtype=wire)
+                    ref = exact / world if opname == "avg" else exact
+                    bound = ops.wire_error_bound(np.abs(wide).sum(axis=0), exact, world, wire, opname)
+                    err = np.abs(x.astype(np.float64) - ref)
+                    assert (err <= bound).all(), f"{wire} {algo} {opname} n={n}: {(err / bound).max():.3f} x bound"
+                    if opname == "sum" and crosses_wire(algo, x.nbytes):
+                        assert np.array_equal(x.astype(wdt).astype(np.float32), x), f"{wire} {algo}: not on the wire"
+                    digest(x)
+    # The environment's wire (REDSOCK_WIRE_DTYPE) leaves other dtypes alone; asked per call, they are refused.
+    for dt in (np.int32, np.float64, np.int64):
+        x = np.ones(1000, dt)
+        try:
+            comm.all_reduce(x, wire_dtype="bf16")
+        except ConfigError as e:
+            assert "float32 sum/avg" in str(e)
+        else:
+            raise AssertionError(f"{dt} all-reduce accepted a bf16 wire")
+        comm.all_reduce(x)  # and the communicator is still usable
+        assert (x == world).all()
+    # fp16 overflow: 70000 on every rank's element 5 (finite in float32) -> every rank raises.
+    for algo in [a for a in algos if crosses_wire(a, 300_001 * 4)]:
+        x = np.ones(300_001, np.float32)
+        x[5] = 70000.0 / world
+        try:
+            comm.all_reduce(x, algorithm=algo, wire_dtype="fp16")
+        except WireOverflow as e:
+            assert e.count == 1 and "index 5" in str(e), str(e)
+        else:
+            raise AssertionError(f"fp16 overflow through {algo} went unnoticed: {x[:8]}")
+        assert x[4] == world and x[6] == world
+    comm.barrier()
+
+
+def wire_mismatch(comm, rank, world):
+    """Rank 1 asks for the bf16 wire, rank 0 for none, through the reducers: both must raise."""
+    x = np.ones(1 << 18, np.float32)
+    try:
+        comm.all_reduce(x, algorithm="server", wire_dtype="bf16" if rank == 1 else "off")
+    except RedsockError as e:
+        print(f"raised {type(e).__name__}: {e}", flush=True)
+        return
+    raise AssertionError(f"a wire mismatch went unnoticed: {x[:4]}")
 
 
 def main():

@@ -121,3 +121,73 @@ def test_cpu_shares_count_steal_as_busy_and_show_it_apart():
     fields = [int(v) for v in open("/proc/stat").readline().split()[1:9]]
     now = box_cpu()
     assert now.total >= sum(fields) and now.steal >= fields[7] and 0 <= now.steal <= now.busy <= now.total
+
+
+# ---------------------------------------------------------------- the 16-bit wire (--wire-dtype)
+
+def test_wire_check_inputs_need_rounding_and_their_reference_is_closed_form():
+    from redsock.bench.allreduce.inputs import INPUT_PERIOD, wire_errors, wire_input, wire_reference
+
+    world, seed, start, count = 4, 1, 5, 3 * INPUT_PERIOD + 7
+    rows = [wire_input(count, r, seed, start) for r in range(world)]
+    bf16 = ops.wire_dtype("bf16")
+    assert all((rows[r].astype(bf16).astype(np.float32) != rows[r]).mean() > 0.5 for r in range(world))
+    i = np.arange(start, start + count)  # the closed form, element by element
+    want = [np.where((i + r + seed) % 2 == 0, -1.0, 1.0) * (1 + ((i * 7 + r * 3 + seed) % 11) / 3)
+            * 2.0 ** ((i * 3 + r * 5) % 11 - 5) for r in range(world)]
+    assert all(np.array_equal(rows[r], want[r].astype(np.float32)) for r in range(world))
+    exact, abs_sum = wire_reference(count, world, seed, start)
+    wide = np.stack(rows).astype(np.float64)
+    assert np.array_equal(exact, wide.sum(axis=0)) and np.array_equal(abs_sum, np.abs(wide).sum(axis=0))
+    # The reducers' arithmetic (round each, sum in float32, round once) is within the bound ...
+    acc = sum(r.astype(bf16).astype(np.float32) for r in rows).astype(bf16).astype(np.float32)
+    wrong, worst = wire_errors(acc, exact, abs_sum, world, bf16, ops.ReduceOp.SUM)
+    assert wrong == 0 and 0 < worst < 2.0**-6
+    # ... a result off by 1% is not.
+    assert wire_errors(acc * np.float32(1.01), exact, abs_sum, world, bf16, ops.ReduceOp.SUM)[0] > 0
+
+
+def test_checked_sweep_on_the_bf16_wire_reports_the_largest_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("REDSOCK_TIMEOUT_S", "60")
+    out = tmp_path / "rows.jsonl"
+    r = subprocess.run([sys.executable, "-m", "redsock", "bench", "allreduce", "--nprocs", "2", "-b", "1M", "-e", "1M",
+                        "--algo", "ring,gloo", "--check", "--wire-dtype", "bf16", "-n", "1", "-w", "0",
+                        "--no-progress", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "# check: 0 wrong elements over 2 rows" in r.stdout
+    assert "redsock/ring on the bf16 wire" in r.stdout and "maxerr" in r.stdout
+    rows = {row["algo"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert rows["ring"]["extra"]["wire_dtype"] == "bf16" and 0 < rows["ring"]["extra"]["max_rel_err"] < 2.0**-6
+    assert "wire_dtype" not in rows["gloo"]["extra"] and "max_rel_err" not in rows["gloo"]["extra"]
+
+
+@pytest.mark.parametrize("argv", [["-d", "int32"], ["-d", "float64"], ["-o", "max"]])
+def test_a_wire_asked_for_where_it_cannot_apply_is_refused_before_ranks_start(argv):
+    p = subprocess.run([sys.executable, "-m", "redsock", "bench", "allreduce", "--nprocs", "2", "--wire-dtype", "bf16",
+                        *argv], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "float32 sum/avg" in p.stderr and "rank" not in p.stderr.replace("--nprocs", "")
+
+
+def test_wire_halves_the_bounds_bytes():
+    from redsock.bench.bounds import host_nic_factor, ideal_over_gloo
+
+    assert host_nic_factor("server", 8, 4, "hierarchical", wire=True) == pytest.approx(0.5)
+    assert host_nic_factor("server", 4, 4, wire=True) == pytest.approx(0.5)
+    assert host_nic_factor("ring", 8, 8, wire=True) == pytest.approx(2 * 7 / 8 * 0.75)  # all-gather only
+    assert host_nic_factor("gloo", 8, 8, wire=True) == host_nic_factor("gloo", 8, 8)  # gloo has no wire
+    assert ideal_over_gloo("server", 8, 4, "hierarchical", wire=True) == pytest.approx(3.5)  # the issue's ideal
+    assert ideal_over_gloo("server", 4, 4, wire=True) == pytest.approx(3.0)
+
+
+def test_ddp_runs_redsock_buckets_through_the_compress_hook_on_the_wire():
+    import argparse
+
+    from redsock.bench import ddp_testbed
+
+    p = argparse.ArgumentParser()
+    ddp_testbed.add_arguments(p)
+    args = p.parse_args(["--testbed", "--wire-dtype", "fp16"])
+    argv = ddp_testbed._train_argv(args, "redsock")
+    assert argv[argv.index("--hook") + 1] == "compress" and argv[argv.index("--wire") + 1] == "fp16"
+    assert "--hook" not in ddp_testbed._train_argv(args, "gloo")
+    assert "--hook" not in ddp_testbed._train_argv(p.parse_args(["--testbed"]), "redsock")

@@ -183,3 +183,16 @@ def test_ramped_pieces_cover_the_range_growing_then_shrinking(n):
         assert len(middle) == -(-(n - 2 * sum(head)) // largest) and max(middle) - min(middle) <= 1
     if n >= 2 * (512 + 1024 + 2048):
         assert k == 3
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_wire_dtype_ring_and_small(world):
+    """16-bit wires through ring and small (loopback, one rank per host): within the bound,
+    bitwise identical ranks, refusals and fp16 overflow on every rank."""
+    outs = run_world("wire_matrix", world)
+    for r, (code, out, err) in enumerate(outs):
+        assert code == 0 and out.rstrip().endswith("ok"), f"rank {r}:\n{err[-3000:]}"
+    first = digests(outs[0][1])
+    assert len(first) == 2 * 3 * 2 * 4
+    for r, (_, out, _) in enumerate(outs[1:], 1):
+        assert digests(out) == first, f"rank {r} differs from rank 0"

@@ -74,3 +74,15 @@ def test_inter_host_shards_through_reduction_servers():
     for r, (code, out, err) in enumerate(outs):
         assert code == 0 and out.rstrip().endswith("ok"), "\n".join(f"rank {q}: {e[-1500:]}" for q, (_, _, e) in enumerate(outs))
     assert len({tuple(digests(out)) for _, out, _ in outs}) == 1
+
+
+def test_16_bit_wire_between_hosts_through_reducers_and_ring():
+    """The in-host stage sums float32 in shared memory; between hosts each shard travels on
+    the wire (reducers, or the ring's all-gather): within the bound, the same bits everywhere,
+    fp16 overflow raised on every rank of every host."""
+    outs = run_hosts("wire_matrix", {"TEST_EXPECT_HIER": "1"}, servers=2, timeout=240)
+    for r, (code, out, err) in enumerate(outs):
+        assert code == 0 and out.rstrip().endswith("ok"), "\n".join(f"rank {q}: {e[-1500:]}" for q, (_, _, e) in enumerate(outs))
+    first = digests(outs[0][1])
+    assert len(first) == 2 * 4 * 2 * 4
+    assert all(digests(out) == first for _, out, _ in outs[1:])

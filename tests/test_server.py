@@ -96,6 +96,25 @@ def test_every_op_and_dtype_through_two_reducers(reducers):
     assert len({tuple(digests(out)) for _, out, _ in outs}) == 1  # bitwise identical on every rank
 
 
+def test_16_bit_wires_through_two_reducers(reducers):
+    """The reducers sum bf16/fp16 pieces in float32 and answer in 16 bits (wire.Announce's
+    wire_code); with REDSOCK_WIRE_DTYPE set, integers and float64 still go through whole."""
+    _, servers = reducers(2)
+    outs = run_world("wire_matrix", 3, env={"REDSOCK_SERVERS": servers, "REDSOCK_PIECE_BYTES": "64K",
+                                            "REDSOCK_WIRE_DTYPE": "bf16"})
+    ok(outs)
+    assert len(digests(outs[0][1])) == 2 * 4 * 2 * 4
+    assert len({tuple(digests(out)) for _, out, _ in outs}) == 1  # bitwise identical on every rank
+
+
+def test_ranks_that_disagree_on_the_wire_get_an_error_not_a_sum(reducers):
+    _, servers = reducers(1)
+    outs = run_world("wire_mismatch", 2, env={"REDSOCK_SERVERS": servers, "TEST_TIMEOUT_S": "10"}, timeout=60)
+    for r, (code, out, err) in enumerate(outs):
+        assert code == 0 and "raised" in out, f"rank {r}:\n{out}\n{err[-3000:]}"
+    assert any("other ranks with" in out or "signature" in out for _, out, _ in outs), [o for _, o, _ in outs]
+
+
 def test_reducer_stops_cleanly_on_sigterm(reducers):
     (proc,), _ = reducers(1)
     proc.send_signal(signal.SIGTERM)

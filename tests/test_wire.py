@@ -2,6 +2,7 @@
 
 import struct
 
+import numpy as np
 import pytest
 
 from redsock import ops, wire
@@ -146,6 +147,27 @@ def test_announce_round_trips_and_unknown_flag_bits_are_refused():
     with pytest.raises(ProtocolError, match="zero timeout"):
         decode(ann._replace(timeout_ms=0).encode())
     assert wire.timeout_ms(0.0001) == 1 and wire.timeout_ms(15) == 15000 and wire.timeout_ms(1e12) == wire.MAX_TIMEOUT_MS
+
+
+def test_announce_carries_the_wire_dtype_in_its_last_byte():
+    def decode(b, **kw):
+        return wire.decode_announce(b, max_elements=1 << 30, valid_dtype=ops.dtype_from_code,
+                                    valid_op=ops.ReduceOp.from_code, **kw)
+
+    bf16 = ops.dtype_code(ops.bfloat16)
+    ann = wire.Announce(job=7, op_seq=3, dtype_code=ops.dtype_code(np.float32), op_code=1, world=4, rank=1, flags=0,
+                        count=1000, piece_elems=64, nservers=3, server_index=2, timeout_ms=1500, wire_code=bf16)
+    b = ann.encode()
+    assert len(b) == wire.ANNOUNCE_SIZE == 53 and b[-1] == bf16
+    assert decode(b, valid_wire=ops.check_wire_code) == ann
+    assert wire.Announce(*ann[:-1]).wire_code == 0  # off unless given
+    with pytest.raises(ProtocolError, match="does not take"):  # a decoder that knows no wire types
+        decode(b)
+    for dt in (np.float64, np.int32):  # only float32 data travels on a 16-bit wire
+        with pytest.raises(ProtocolError, match="only float32"):
+            decode(ann._replace(dtype_code=ops.dtype_code(dt)).encode(), valid_wire=ops.check_wire_code)
+    with pytest.raises(ProtocolError, match="only float32"):
+        decode(ann._replace(wire_code=ops.dtype_code(np.int8)).encode(), valid_wire=ops.check_wire_code)
 
 
 def test_failure_reasons_name_ranks_or_a_reducer_through_any_wrapping():

@@ -411,7 +411,57 @@ def per_call_timeout(gloo) -> None:
     os._exit(0)  # skip destroy_process_group: the group failed
 
 
-SCENARIOS = {"ops": ops, "async": async_ops, "nested": nested, "subgroups": subgroups, "failure": failure,
+def wire_accuracy(gloo) -> None:
+    """1M float32 of mixed magnitude (2^-12 .. 2^4) per rank, averaged three ways on the same
+    inputs: torch's fp16_compress_hook on gloo (casts, then sums in fp16), redsock's fp16 wire
+    and its bf16 wire (each input rounded once, float32 sums, one rounding of the result) through
+    TEST_WIRE_ALGO.  redsock's fp16 error must be the smaller one, both per |exact| and per sum
+    of |inputs|, and bf16 within ops.wire_error_bound on every element."""
+    import numpy as np
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    from redsock import ops as rops
+
+    rank, world, n = dist.get_rank(), dist.get_world_size(), 1 << 20
+    rows = []
+    for r in range(world):  # every rank's input, so that each computes the float64 reference
+        rng = np.random.default_rng(100 + r)
+        rows.append((rng.standard_normal(n) * 2.0 ** rng.integers(-12, 5, n)).astype(np.float32))
+    wide = np.stack(rows).astype(np.float64)
+    exact = wide.sum(axis=0)
+    ref, scale = exact / world, np.abs(wide).sum(axis=0) / world
+    nz = ref != 0
+
+    def errors(got: np.ndarray) -> tuple[float, float]:
+        e = np.abs(got.astype(np.float64) - ref)
+        return float((e[nz] / np.abs(ref[nz])).max()), float((e / scale).max())
+
+    hooked = fp16_compress_hook(gloo, (torch.from_numpy(rows[rank].copy()),)).wait().numpy()
+    comm = dist.group.WORLD.comm  # the redsock group's Communicator, for algorithm= and wire_dtype=
+    algo = os.environ["TEST_WIRE_ALGO"]
+    got = {}
+    for wire in ("fp16", "bf16"):
+        x = rows[rank].copy()
+        comm.all_reduce(x, "avg", algorithm=algo, wire_dtype=wire)
+        got[wire] = x
+    hook_err, fp16_err = errors(hooked), errors(got["fp16"])
+    print(f"largest relative error: fp16_compress_hook on gloo {hook_err[0]:.3g} (per |exact|), "
+          f"{hook_err[1]:.3g} (per mean |input|); redsock fp16 wire {fp16_err[0]:.3g}, {fp16_err[1]:.3g}; "
+          f"bf16 wire {errors(got['bf16'])[0]:.3g}, {errors(got['bf16'])[1]:.3g}", flush=True)
+    assert fp16_err[0] < hook_err[0] and fp16_err[1] < hook_err[1], (fp16_err, hook_err)
+    for wire, x in got.items():
+        bound = rops.wire_error_bound(np.abs(wide).sum(axis=0), exact, world, wire, "avg")
+        err = np.abs(x.astype(np.float64) - ref)
+        assert (err <= bound).all(), f"{wire}: {(err > bound).sum()} elements beyond the bound"
+        assert np.array_equal(x.astype(rops.wire_dtype(wire)).astype(np.float32), x), f"{wire}: not on the wire"
+        digest = torch.from_numpy(x.view(np.int32).astype(np.int64)).sum().item()  # same bits everywhere:
+        check = torch.tensor([digest, -digest], dtype=torch.int64)
+        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=gloo)
+        assert check[0].item() == digest and check[1].item() == -digest, f"{wire}: ranks differ"
+    print("ok", flush=True)
+
+
+SCENARIOS = {"ops": ops, "wire_accuracy": wire_accuracy, "async": async_ops, "nested": nested, "subgroups": subgroups, "failure": failure,
              "per_call_timeout": per_call_timeout}
 
 

@@ -28,6 +28,7 @@ BALANCES = ("dynamic", "static")
 ALGOS = ("auto", "ring", "small", "server", "hier")
 FALLBACKS = ("none", "ring")
 SWITCHES = ("auto", "off")
+WIRE_DTYPES = ("off", "bf16", "fp16")
 
 #: Every option is the variable ``ENV_PREFIX + FIELD.upper()`` (see :func:`env_var`).
 ENV_PREFIX = "REDSOCK_"
@@ -110,6 +111,11 @@ class Config:
     #: CPU: raise it where CPUs, not links, are busy (the testbed at 1 Gbit/s:
     #: 256 KiB pieces kept the reducers' links 84-92% busy, 1 MiB pieces 67-86%, with tail drops).
     piece_bytes: int = 256 * KiB
+    #: Wire type of float32 sum/avg all-reduces: "bf16" or "fp16" round each contribution to
+    #: 16 bits once (round to nearest even) and sum in float32, so half the bytes cross the
+    #: links; "off" sends float32 (results bitwise as without the option).  Other dtypes and
+    #: ops always travel as they are.  Also per call: ``all_reduce(x, wire_dtype="bf16")``.
+    wire_dtype: str = "off"
     #: Sum contributions in rank order so results repeat bitwise from run to run.
     deterministic: bool = False
     #: What to do when a reduction server fails mid-operation: "none" (raise PeerFailure) or "ring"
@@ -139,6 +145,7 @@ class Config:
         check(self.piece_bytes >= SMALLEST_PIECE_BYTES, f"piece_bytes must be >= {SMALLEST_PIECE_BYTES // KiB} KiB, got {self.piece_bytes}")
         check(self.shm in SWITCHES, f"shm must be one of {SWITCHES}, got {self.shm!r}")
         check(self.hierarchy in SWITCHES, f"hierarchy must be one of {SWITCHES}, got {self.hierarchy!r}")
+        check(self.wire_dtype in WIRE_DTYPES, f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
         check(self.server_fallback in FALLBACKS, f"server_fallback must be one of {FALLBACKS}")
         for s in self.servers:
             parse_hostport(s)

@@ -46,3 +46,16 @@ class PeerFailure(RedsockError):
     def __init__(self, message: str, *, ranks: tuple[int, ...] = ()):
         super().__init__(message)
         self.ranks = tuple(ranks)
+
+
+class WireOverflow(RedsockError, ArithmeticError):
+    """A float32 all-reduce on the fp16 wire produced a value fp16 cannot hold (beyond
+    65504: an input, or the sum rounded for the way back), or an input was not finite.
+
+    Raised on every rank alike (they hold the same bits); the result is written anyway and
+    ``count`` says how many elements are not finite.  The bf16 wire has float32's range.
+    """
+
+    def __init__(self, message: str, *, count: int = 0):
+        super().__init__(message)
+        self.count = count

@@ -27,6 +27,11 @@ Semantics:
   :func:`combine` is left to the caller's ``np.errstate`` because entering one costs
   more than a small-message combine itself (wrap the whole loop once if needed).
 
+A float32 sum/avg may travel on a 16-bit *wire* (:func:`wire_dtype`): each contribution is
+rounded to bfloat16 or float16 once (:func:`to_wire`), contributions are still summed in
+float32, and the result is rounded once for the way back and widened once (:func:`from_wire`).
+:func:`wire_error_bound` is the resulting bound against exact arithmetic.
+
 Wire codes (one byte each) are part of the wire format: never renumber them.
 """
 
@@ -41,12 +46,13 @@ import ml_dtypes
 import numpy as np
 from numpy.typing import DTypeLike
 
-from .errors import ConfigError, ProtocolError
+from .errors import ConfigError, ProtocolError, WireOverflow
 
 __all__ = [
     "SUPPORTED_DTYPES", "ReduceOp", "accum_dtype", "accumulate", "bfloat16", "check_dtype", "combine", "copy",
     "dtype_code", "dtype_from_code", "dtype_from_name", "finalize", "init_acc", "reduce_arrays", "reduce_rows",
-    "row_reducer",
+    "row_reducer", "WIRE_DTYPES", "WIRE_NAMES", "check_wire_code", "check_wire_result", "from_wire", "to_wire",
+    "wire_dtype", "wire_error_bound", "wire_for",
 ]
 
 bfloat16: np.dtype = np.dtype(ml_dtypes.bfloat16)
@@ -469,3 +475,110 @@ def reduce_arrays(arrays: Sequence[np.ndarray], op: ReduceOp | str = ReduceOp.SU
     acc = accumulate(rows, op)
     out = acc if acc.dtype == first.dtype else np.empty(first.shape, first.dtype)
     return finalize(acc, op, len(arrays), out)
+
+
+# --- the 16-bit wire for float32 ------------------------------------------------------------
+
+#: The wire types of a float32 sum, by the names REDSOCK_WIRE_DTYPE takes.
+WIRE_DTYPES: dict[str, np.dtype] = {"bf16": bfloat16, "fp16": _F16}
+WIRE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in WIRE_DTYPES.items()}
+#: Ops whose result the wire's bound covers (a sum, or a sum divided once).
+_WIRE_OPS = (ReduceOp.SUM, ReduceOp.AVG)
+#: Unit roundoff (half the spacing at 1.0) and half the smallest subnormal of each wire type.
+_UNIT_ROUNDOFF = {bfloat16: 2.0**-8, _F16: 2.0**-11}
+_TINY_HALF = {bfloat16: 2.0**-134, _F16: 2.0**-25}
+_F32_UNIT = 2.0**-24
+
+
+def wire_dtype(name: str | np.dtype | None) -> np.dtype | None:
+    """``"bf16"``/``"fp16"`` (or bfloat16/float16 by any name :func:`check_dtype` takes) -> the
+    wire dtype; ``None``/``"off"`` -> None.  :class:`ConfigError` for anything else."""
+    if name is None or (isinstance(name, str) and name.strip().lower() == "off"):
+        return None
+    dt = WIRE_DTYPES.get(name.strip().lower()) if isinstance(name, str) else None
+    if dt is None:
+        try:
+            dt = check_dtype(name)
+        except ConfigError:
+            dt = None
+        if dt not in _UNIT_ROUNDOFF:
+            raise ConfigError(f"unsupported wire dtype {name!r}; choose off, bf16 or fp16")
+    return dt
+
+
+def wire_for(dtype: np.dtype, op: ReduceOp, wire: np.dtype | None, explicit: bool) -> np.dtype | None:
+    """The wire type a call of ``dtype`` and ``op`` uses: ``wire`` for a float32 sum or avg,
+    else None.  ``explicit`` (asked for by the call itself rather than the environment): any
+    other dtype or op is a :class:`ConfigError` instead of a silent full-width call."""
+    if wire is None:
+        return None
+    if dtype == _F32 and op in _WIRE_OPS:
+        return wire
+    if explicit:
+        what = f"{dtype} buffers" if dtype != _F32 else f"op {op.name.lower()}"
+        raise ConfigError(f"wire_dtype={WIRE_NAMES[wire]} applies to float32 sum/avg all-reduces only, "
+                          f"not {what} (integers and float64 always travel as they are)")
+    return None
+
+
+def check_wire_code(dtype_code: int, wire_code: int) -> np.dtype:
+    """The dtype a reducer sums pieces of: an announce's wire type (a 16-bit float, for float32
+    data only) or, with wire code 0, the data's own.  :class:`ProtocolError` otherwise."""
+    dt = dtype_from_code(dtype_code)
+    if wire_code == 0:
+        return dt
+    wire = dtype_from_code(wire_code)
+    if dt != _F32 or wire not in _UNIT_ROUNDOFF:
+        raise ProtocolError(f"wire type {wire} for {dt} data: only float32 travels as bfloat16 or float16")
+    return wire
+
+
+def to_wire(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``x`` (float32) rounded once to nearest even into ``out`` (the 16-bit wire dtype).
+    float16 overflow gives inf here, which :func:`check_wire_result` reports after the call."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.copyto(out, x, casting="same_kind")
+    return out
+
+
+def from_wire(w: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``w`` (16-bit) widened exactly into float32 ``out``."""
+    return init_acc(w, out)
+
+
+def check_wire_result(x: np.ndarray, wire: np.dtype | None) -> None:
+    """After a call on the float16 wire: :class:`WireOverflow` if its float32 result holds an
+    element that is not finite (its sum, or an input, passed 65504, or an input was inf/NaN).
+    Every rank holds the same bits, so every rank raises alike."""
+    if wire != _F16:
+        return
+    finite = np.isfinite(x)
+    if finite.all():
+        return
+    bad = int(x.size - np.count_nonzero(finite))
+    first = int(np.argmin(finite.reshape(-1)))
+    raise WireOverflow(f"all-reduce on the fp16 wire: {bad} of {x.size} elements are not finite "
+                       f"(first at index {first}): a sum or an input beyond fp16's 65504, or an input "
+                       f"that was inf/NaN; use the bf16 wire (float32's range) or scale the values",
+                       count=bad)
+
+
+def wire_error_bound(abs_sum: np.ndarray, exact: np.ndarray, world: int, wire: np.dtype | str,
+                     op: ReduceOp | str = ReduceOp.SUM) -> np.ndarray:
+    """Per element, the largest error of a float32 all-reduce on ``wire`` against exact
+    arithmetic: one rounding of each rank's input (or of each host's partial sum, whose
+    magnitudes add up to no more), float32 accumulation, one rounding of the result.
+
+    ``abs_sum``: sum over ranks of |input|, ``exact``: the exact sum (both float64, from the
+    float32 inputs); ``op`` avg divides the bound by ``world`` as the result is divided.
+    """
+    on = wire_dtype(wire) if isinstance(wire, str) else wire
+    if on is None:
+        raise ConfigError("wire_error_bound needs a 16-bit wire (bf16 or fp16), got 'off'")
+    u, tiny = _UNIT_ROUNDOFF[on], _TINY_HALF[on]
+    a = np.asarray(abs_sum, np.float64)
+    inputs = u * a + world * tiny + world * _F32_UNIT * (1 + u) * a  # + world: avg's division too
+    bound = inputs + u * (np.abs(np.asarray(exact, np.float64)) + inputs)
+    if ReduceOp.parse(op) is ReduceOp.AVG:  # divided before its rounding: all but the subnormal step
+        bound /= world
+    return bound + tiny

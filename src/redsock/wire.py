@@ -31,7 +31,7 @@ from typing import NamedTuple
 from .errors import AuthError, ProtocolError
 
 MAGIC = b"RSCK"
-VERSION = 2  # 2: the reducer's Announce carries the worker's timeout
+VERSION = 3  # 2: the reducer's Announce carries the worker's timeout; 3: and the wire dtype
 NONCE_BYTES = 16
 MAC_BYTES = 32
 NAME_BYTES = 32
@@ -335,7 +335,7 @@ ANNOUNCE_TAG = 1
 PIECE_BITS = 24
 MAX_PIECES = (1 << PIECE_BITS) - 1
 MAX_WORLD = 1 << 14
-_ANNOUNCE = struct.Struct("<4sQQBBHHHQQHHI")
+_ANNOUNCE = struct.Struct("<4sQQBBHHHQQHHIB")
 ANNOUNCE_SIZE = _ANNOUNCE.size
 FLAG_DETERMINISTIC = 1
 KNOWN_FLAGS = FLAG_DETERMINISTIC
@@ -358,6 +358,9 @@ class Announce(NamedTuple):
     # The worker's no-progress timeout (REDSOCK_TIMEOUT_S) in ms: the reducer gives up on the
     # round by then, so that a worker's wait and the reducer's deadline are one deadline.
     timeout_ms: int
+    # The dtype pieces travel (and are summed) as, when not the data's own: a 16-bit float for
+    # float32 data (the reducer accumulates in float32 and answers in it); 0: dtype_code's.
+    wire_code: int = 0
 
     def encode(self) -> bytes:
         return encode_announce(*self)
@@ -375,10 +378,11 @@ class Announce(NamedTuple):
 
 
 def encode_announce(job: int, op_seq: int, dtype_code: int, op_code: int, world: int, rank: int, flags: int,
-                    count: int, piece_elems: int, nservers: int, server_index: int, timeout_ms: int) -> bytes:
+                    count: int, piece_elems: int, nservers: int, server_index: int, timeout_ms: int,
+                    wire_code: int = 0) -> bytes:
     """:meth:`Announce.encode` without building the Announce (a small call's hot path)."""
     return _ANNOUNCE.pack(MAGIC, job, op_seq, dtype_code, op_code, world, rank, flags, count, piece_elems,
-                          nservers, server_index, timeout_ms)
+                          nservers, server_index, timeout_ms, wire_code)
 
 
 def timeout_ms(timeout_s: float) -> int:
@@ -389,15 +393,23 @@ def timeout_ms(timeout_s: float) -> int:
 MAX_TIMEOUT_MS = (1 << 32) - 1
 
 
-def decode_announce(data: bytes | memoryview, *, max_elements: int, valid_dtype, valid_op) -> Announce:
-    """Validate every field; ``valid_dtype``/``valid_op`` raise on unknown codes."""
+def decode_announce(data: bytes | memoryview, *, max_elements: int, valid_dtype, valid_op,
+                    valid_wire=None) -> Announce:
+    """Validate every field; ``valid_dtype``/``valid_op`` raise on unknown codes, and
+    ``valid_wire(dtype_code, wire_code)`` on a wire type the data cannot travel as (without
+    it, only wire code 0 is accepted)."""
     if len(data) != ANNOUNCE_SIZE:
         raise ProtocolError(f"announce is {len(data)} bytes, expected {ANNOUNCE_SIZE}")
-    magic, job, op_seq, dt, op, world, rank, flags, count, piece, nservers, index, timeout = _ANNOUNCE.unpack(data)
+    (magic, job, op_seq, dt, op, world, rank, flags, count, piece, nservers, index, timeout,
+     wire_code) = _ANNOUNCE.unpack(data)
     if magic != MAGIC:
         raise ProtocolError(f"bad announce record (magic {magic!r})")
     valid_dtype(dt)
     valid_op(op)
+    if valid_wire is not None:
+        valid_wire(dt, wire_code)
+    elif wire_code:
+        raise ProtocolError(f"announce with wire type {wire_code}, which this side does not take")
     if not 1 <= world <= MAX_WORLD or rank >= world:
         raise ProtocolError(f"rank {rank} of world {world} is out of range")
     if count > max_elements or piece == 0 or (count and -(-count // piece) > MAX_PIECES):
@@ -410,7 +422,7 @@ def decode_announce(data: bytes | memoryview, *, max_elements: int, valid_dtype,
         raise ProtocolError(f"operation number {op_seq} out of range")
     if timeout == 0:
         raise ProtocolError("announce with a zero timeout")
-    return Announce(job, op_seq, dt, op, world, rank, flags, count, piece, nservers, index, timeout)
+    return Announce(job, op_seq, dt, op, world, rank, flags, count, piece, nservers, index, timeout, wire_code)
 
 
 def piece_tag(op_seq: int, piece: int) -> int:

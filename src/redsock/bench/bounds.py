@@ -17,7 +17,11 @@ GOODPUT_FACTOR = 0.956
 SCHEMES = ("flat", "hierarchical")
 
 
-def host_nic_factor(algo: str, world: int, hosts: int, scheme: str = "flat") -> float | None:
+#: Bytes a stage carries on a 16-bit wire per float32 byte (DESIGN.md section 8).
+WIRE_SHARE = 0.5
+
+
+def host_nic_factor(algo: str, world: int, hosts: int, scheme: str = "flat", wire: bool = False) -> float | None:
     """Bytes through one host's link, each way, per byte of an all-reduce of ``world`` ranks
     placed consecutively on ``hosts`` hosts, L = world / hosts each (DESIGN.md section 7):
 
@@ -26,13 +30,18 @@ def host_nic_factor(algo: str, world: int, hosts: int, scheme: str = "flat") -> 
       local rank rings its S/L shard over the H hosts);
     * reducers (``server``): flat L (every rank sends S and receives S); hierarchical 1.
 
+    ``wire``: a float32 all-reduce on a 16-bit wire: the reducers' pieces both ways and the
+    ring's all-gather (half of its bytes; its reduce-scatter carries float32) travel at
+    ``WIRE_SHARE`` of their size.
+
     None where there is no closed form (``auto`` / ``small`` choose by size) or no link is
     crossed (one host).
     """
-    return host_nic_bytes(1.0, algo, world, hosts, scheme)
+    return host_nic_bytes(1.0, algo, world, hosts, scheme, wire)
 
 
-def host_nic_bytes(nbytes: float, algo: str, world: int, hosts: int, scheme: str = "flat") -> float | None:
+def host_nic_bytes(nbytes: float, algo: str, world: int, hosts: int, scheme: str = "flat",
+                   wire: bool = False) -> float | None:
     """Bytes through one host's link, each way, for an all-reduce of ``nbytes``: ``nbytes`` x
     :func:`host_nic_factor`, multiplied out in the order that keeps the plan's figures exact."""
     if scheme not in SCHEMES:
@@ -42,17 +51,22 @@ def host_nic_bytes(nbytes: float, algo: str, world: int, hosts: int, scheme: str
     if hosts < 2:
         return None
     if algo == "server":
-        return nbytes if scheme == "hierarchical" else world // hosts * nbytes
+        share = WIRE_SHARE if wire else 1.0
+        return nbytes * share if scheme == "hierarchical" else world // hosts * nbytes * share
     if algo in ("ring", "gloo"):
-        return 2 * nbytes * (hosts - 1) / hosts if scheme == "hierarchical" else 2 * nbytes * (world - 1) / world
+        share = (1 + WIRE_SHARE) / 2 if wire and algo == "ring" else 1.0
+        if scheme == "hierarchical":
+            return 2 * nbytes * (hosts - 1) / hosts * share
+        return 2 * nbytes * (world - 1) / world * share
     return None
 
 
-def ideal_over_gloo(algo: str, world: int, hosts: int | None = None, scheme: str = "flat") -> float | None:
+def ideal_over_gloo(algo: str, world: int, hosts: int | None = None, scheme: str = "flat",
+                    wire: bool = False) -> float | None:
     """algbw ratio against gloo's flat ring when both are link-bound: the ratio of the bytes
     their host links carry (:func:`host_nic_factor`; ``hosts`` defaults to one rank per host)."""
     hosts = world if hosts is None else hosts
-    mine = host_nic_factor(algo, world, hosts, scheme)
+    mine = host_nic_factor(algo, world, hosts, scheme, wire)
     gloo = host_nic_factor("gloo", world, hosts)
     return gloo / mine if mine and gloo else None
 

@@ -95,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", help="namespace prefix (default rsdp<pid>)")
     p.add_argument("--timeout", type=float, default=600.0, help="stop everything after this many seconds")
     p.add_argument("--json", metavar="FILE", help="write one JSON object per algorithm")
+    p.add_argument("--wire-dtype", choices=["off", "bf16", "fp16"], default="off",
+                   help="redsock's runs all-reduce gradient buckets with redsock.torch.compress_hook on this "
+                        "16-bit wire (float32 sums, error feedback); gloo's runs are unchanged (default off)")
 
 
 def parse_result(text: str) -> dict[str, Any]:
@@ -162,10 +165,12 @@ def format_summary(rows: Sequence[dict[str, Any]], workers: int, rate: int, rank
 
 
 def _train_argv(args: argparse.Namespace, backend: str) -> list[str]:
+    wire = getattr(args, "wire_dtype", "off")
+    hook = ["--hook", "compress", "--wire", wire] if backend == "redsock" and wire != "off" else []
     return [sys.executable, str(train_script()), "--backend", backend, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
             "--bucket-cap-mb", str(args.bucket_cap_mb), "--optimizer", args.optimizer,
-            "--log-every", str(max(1, args.steps))]
+            "--log-every", str(max(1, args.steps)), *hook]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -203,7 +208,9 @@ def run(args: argparse.Namespace) -> int:
         ranks: list[launch.Proc] = []
         try:
             print(f"# testbed {prefix}: {args.workers} workers x {args.ranks_per_host} rank(s) + {servers} reducers, "
-                  f"{args.profile} links at {format_rate(rate)}", flush=True)
+                  f"{args.profile} links at {format_rate(rate)}"
+                  + (f"; redsock's buckets on the {args.wire_dtype} wire (compress_hook, error feedback)"
+                     if args.wire_dtype != "off" else ""), flush=True)
             tb.up()
             print(f"# TCP congestion control in the hosts: {launch.set_congestion_control(tb, args.tcp_cc)}", flush=True)
             if servers:

@@ -146,9 +146,21 @@ def _time_us(seconds: float) -> str:
     return f"{us:.0f}" if us >= 10000 else f"{us:.1f}" if us >= 100 else f"{us:.2f}"
 
 
-def _cells(r: Row) -> tuple[str, ...]:
-    return (str(r.bytes), str(r.count), r.dtype, r.op, _time_us(r.median_s),
-            f"{r.algbw_GBps:.2f}", f"{r.busbw_GBps:.2f}", "N/A" if r.wrong < 0 else str(r.wrong))
+#: Beside #wrong in a table whose rows were checked on a 16-bit wire: the largest relative error.
+_MAX_ERR_COLUMN = ("maxerr", "(rel)", 10)
+
+
+def _columns(rows: Sequence[Row]) -> tuple[tuple[str, str, int], ...]:
+    return _COLUMNS + ((_MAX_ERR_COLUMN,) if any("max_rel_err" in r.extra for r in rows) else ())
+
+
+def _cells(r: Row, columns: Sequence[tuple[str, str, int]] = _COLUMNS) -> tuple[str, ...]:
+    cells: tuple[str, ...] = (str(r.bytes), str(r.count), r.dtype, r.op, _time_us(r.median_s),
+             f"{r.algbw_GBps:.2f}", f"{r.busbw_GBps:.2f}", "N/A" if r.wrong < 0 else str(r.wrong))
+    if len(columns) > len(_COLUMNS):
+        err = r.extra.get("max_rel_err")
+        cells += ("N/A" if err is None else f"{err:.2e}",)
+    return cells
 
 
 def _groups(rows: Iterable[Row]) -> dict[tuple[str, str, int, str], list[Row]]:
@@ -161,7 +173,9 @@ def _groups(rows: Iterable[Row]) -> dict[tuple[str, str, int, str], list[Row]]:
 
 def _group_title(rows: list[Row]) -> str:
     r = rows[0]
-    return f"{r.label}: {r.coll}, {r.world} rank{'s' if r.world != 1 else ''}"
+    wires = sorted({w for w in (q.extra.get("wire_dtype") for q in rows) if w})
+    on = f" on the {'/'.join(wires)} wire" if wires else ""
+    return f"{r.label}{on}: {r.coll}, {r.world} rank{'s' if r.world != 1 else ''}"
 
 
 def _footer(rows: list[Row]) -> list[str]:
@@ -182,16 +196,17 @@ def format_table(rows: Iterable[Row], title: str | None = None) -> str:
     Header and footer lines start with "#" like nccl-tests'; the footer has the
     total of wrong elements and the average bus bandwidth over the sizes.
     """
-    widths = [w for _, _, w in _COLUMNS]
     out: list[str] = [f"# {title}", "#"] if title else []
     groups = _groups(rows)
     if not groups:
         return "\n".join([*out, "# no results"]) + "\n"
-    names, units = [name for name, _, _ in _COLUMNS], [unit for _, unit, _ in _COLUMNS]
     for group in groups.values():
+        columns = _columns(group)
+        widths = [w for _, _, w in columns]
+        names, units = [name for name, _, _ in columns], [unit for _, unit, _ in columns]
         out += [f"# {_group_title(group)}", "#"]
         out += ["#" + _line(names, widths)[1:], "#" + _line(units, widths)[1:]]
-        out += [_line(_cells(r), widths) for r in group]
+        out += [_line(_cells(r, columns), widths) for r in group]
         out += [f"# {line}" for line in _footer(group)]
         out.append("#")
     return "\n".join(out[:-1]) + "\n"
@@ -205,10 +220,11 @@ def rich_tables(rows: Iterable[Row], title: str | None = None) -> list[Table]:
     for group in _groups(rows).values():
         name = _group_title(group)
         table = Table(title=f"{title}: {name}" if title else name, caption="  ".join(_footer(group)))
-        for col, unit, _ in _COLUMNS:
+        columns = _columns(group)
+        for col, unit, _ in columns:
             table.add_column(f"{col} {unit}".strip(), justify="right")
         for r in group:
-            table.add_row(*_cells(r))
+            table.add_row(*_cells(r, columns))
         tables.append(table)
     return tables
 

@@ -17,7 +17,7 @@ import numpy as np
 from .. import ops, wire
 from ..bootstrap import PeerTable
 from ..config import Config, KiB
-from ..errors import ConfigError, PeerFailure, RedsockError, TransportError
+from ..errors import ConfigError, PeerFailure, RedsockError, TransportError, WireOverflow
 from ..transport import Connection, irecv_any, shm
 from . import ring, server_client, small
 from .context import CallContext, Finish, ScratchPool, signature_check, timeout_for_call
@@ -33,9 +33,12 @@ SMALL_MAX_BYTES = 128 * KiB
 _COLLECTIVE_TAG = 1 << 62  # tag spaces: collectives vs user point-to-point
 _P2P_TAG = 1 << 61
 
-Algorithm = Callable[[CallContext, np.ndarray, ops.ReduceOp], Finish | None]
-ALLREDUCE_ALGORITHMS: dict[str, Algorithm] = {"ring": ring.all_reduce, "small": small.all_reduce,
-                                               "server": server_client.all_reduce}
+# (ctx, x, op, wire dtype or None) -> what is left to wait for.  The small algorithm is
+# latency-bound, so it carries float32 whatever the wire: halving its bytes saves nothing.
+Algorithm = Callable[[CallContext, np.ndarray, ops.ReduceOp, "np.dtype | None"], Finish | None]
+ALLREDUCE_ALGORITHMS: dict[str, Algorithm] = {
+    "ring": ring.all_reduce, "small": lambda ctx, x, op, wire_dtype: small.all_reduce(ctx, x, op),
+    "server": server_client.all_reduce}
 # With servers configured, `auto` sends all-reduces of at least this size to them.
 SERVER_MIN_BYTES = 64 * KiB
 
@@ -125,20 +128,45 @@ class Communicator:
     # -- public collectives ---------------------------------------------------
 
     def all_reduce(self, array: np.ndarray, op: Any = "sum", algorithm: str | None = None,
-                   async_op: bool = False) -> Work | None:
+                   async_op: bool = False, wire_dtype: str | None = None) -> Work | None:
         """Reduce ``array`` across ranks, in place.  ``algorithm``: ``ring``, ``small``,
-        or None/``auto`` (by size).  Returns a :class:`Work` when ``async_op``."""
+        or None/``auto`` (by size).  Returns a :class:`Work` when ``async_op``.
+
+        ``wire_dtype``: ``"bf16"``/``"fp16"`` send a float32 sum or avg as 16 bits (rounded
+        once per rank, summed in float32, the result rounded once: :mod:`redsock.ops`),
+        ``"off"`` as float32; None: ``REDSOCK_WIRE_DTYPE``, which other dtypes and ops ignore,
+        whereas asking for it here with them raises :class:`ConfigError`.  On the fp16 wire
+        a result that is not finite raises :class:`~redsock.errors.WireOverflow` on every rank.
+        """
         x = _check_array(array, "all_reduce", writable=True)
         rop = ops.ReduceOp.parse(op)
+        explicit = wire_dtype is not None
+        wire = ops.wire_for(x.dtype, rop, ops.wire_dtype(wire_dtype if explicit else self.config.wire_dtype),
+                            explicit)
+        return self._all_reduce(x, rop, algorithm, async_op, wire, check=True)
+
+    def all_reduce_inner(self, x: np.ndarray, op: ops.ReduceOp, async_op: bool,
+                         wire_dtype: np.dtype | None) -> Work | None:
+        """:meth:`all_reduce` for a stage of an outer collective (the hierarchy's inter-host
+        one): exactly ``wire_dtype`` (None: x's own dtype), and no overflow verdict, which
+        the outer call gives once, on its final result, on every rank."""
+        return self._all_reduce(x, op, None, async_op, wire_dtype, check=False)
+
+    def _all_reduce(self, x: np.ndarray, rop: ops.ReduceOp, algorithm: str | None, async_op: bool,
+                    wire: np.dtype | None, check: bool) -> Work | None:
         algo = self.choose_algorithm(x.nbytes, algorithm)
+        # The wire type is part of the call's signature: ranks that disagree fail, not sum garbage.
+        signature = (x.dtype, x.size, rop, algo) if wire is None else (x.dtype, x.size, rop, algo, wire)
         if algo == "hier":
-            if not async_op and self.hier.runs_here(x.nbytes):
+            if not async_op and self.hier.runs_here(x.nbytes):  # one host: no wire to shrink
                 return self._all_reduce_here(x, rop)
-            return self._run("all_reduce", (x.dtype, x.size, rop, algo),
-                             lambda ctx: self.hier.all_reduce(ctx, x, rop), async_op, shared=True)
-        run = ALLREDUCE_ALGORITHMS[algo]
-        return self._run("all_reduce", (x.dtype, x.size, rop, algo),
-                         lambda ctx: run(ctx, x, rop) if self.world_size > 1 else _solo(x, rop), async_op)
+            body, shared = (lambda ctx: self.hier.all_reduce(ctx, x, rop, wire)), True
+        else:
+            run = ALLREDUCE_ALGORITHMS[algo]
+            body, shared = (lambda ctx: run(ctx, x, rop, wire) if self.world_size > 1 else _solo(x, rop)), False
+        if check and wire is not None:
+            body = _checked(body, x, wire)
+        return self._run("all_reduce", signature, body, async_op, shared=shared)
 
     def _check_pair(self, what: str, input: np.ndarray, output: np.ndarray,
                     whole: str) -> tuple[np.ndarray, np.ndarray]:
@@ -383,7 +411,7 @@ class Communicator:
     def _failed(self, name: str, seq: int | None, err: RedsockError) -> RedsockError:
         """Turn a transport failure into a PeerFailure naming the failed rank(s), and tell
         every connected rank, so ranks not adjacent to the failure stop waiting too."""
-        if isinstance(err, ConfigError) or (isinstance(err, PeerFailure) and err is self._failure):
+        if isinstance(err, (ConfigError, WireOverflow)) or (isinstance(err, PeerFailure) and err is self._failure):
             return err
         ranks = _failed_ranks(err, self.peers, self._global_ranks)
         call = f"{name} #{seq}" if seq is not None else name
@@ -466,6 +494,22 @@ def _user_tag(tag: int) -> int:
     if not isinstance(tag, (int, np.integer)) or not 0 <= tag < _P2P_TAG:
         raise ConfigError(f"tag must be an integer in [0, 2**61), got {tag!r}")
     return int(tag)
+
+
+def _checked(body: Callable[[CallContext], Finish | None], x: np.ndarray,
+             wire: np.dtype) -> Callable[[CallContext], Finish | None]:
+    """``body`` followed, once its results are in, by the wire's overflow verdict on ``x``."""
+    def run(ctx: CallContext) -> Finish | None:
+        rest = body(ctx)
+        if rest is None:
+            ops.check_wire_result(x, wire)
+            return None
+
+        def finish() -> None:
+            rest()
+            ops.check_wire_result(x, wire)
+        return finish
+    return run
 
 
 def _solo(x: np.ndarray, op: ops.ReduceOp) -> None:

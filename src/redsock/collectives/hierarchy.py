@@ -154,11 +154,13 @@ class Hierarchy:
 
     # -- collectives ----------------------------------------------------------------------
 
-    def all_reduce(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
+    def all_reduce(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp, wire_dtype: np.dtype | None = None) -> None:
+        """``wire_dtype``: the 16-bit type the inter-host stage carries (float32 ``x``); the
+        stage inside the host sums in float32 whatever it is."""
         if x.nbytes <= WHOLE_MAX_BYTES:  # (every local rank decides alike)
-            self._all_reduce_whole(ctx, x, op)
+            self._all_reduce_whole(ctx, x, op, wire_dtype)
         elif self.nhosts > 1:
-            self._all_reduce_pipelined(ctx, x, op)
+            self._all_reduce_pipelined(ctx, x, op, wire_dtype)
         else:
             self._all_reduce_local(ctx, x, op)
 
@@ -202,7 +204,8 @@ class Hierarchy:
         g.sync(signature, SPIN_SMALL_US, timeout_s)
         whole.reduce(rows, xf)
 
-    def _all_reduce_whole(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
+    def _all_reduce_whole(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp,
+                          wire_dtype: np.dtype | None = None) -> None:
         """A small buffer in one piece: on one host every rank reduces all of it (one sync);
         across hosts local rank 0 reduces it, all-reduces it with the other hosts' rank 0
         from this thread, and the others copy the result."""
@@ -215,7 +218,7 @@ class Hierarchy:
         g.sync(signature, SPIN_SMALL_US, ctx.timeout_s)
         if g.me == 0:
             acc = ops.accumulate(views, op, ctx.scratch(xf.size, ops.accum_dtype(x.dtype)))
-            self._inter_all_reduce(acc, op, async_op=False)
+            self._inter_all_reduce(acc, op, False, wire_dtype)
             ops.copy(views[0], ops.finalize(acc, op, self.world, xf))
         g.sync(None, SPIN_SMALL_US, ctx.timeout_s)
         if g.me != 0:
@@ -245,7 +248,8 @@ class Hierarchy:
             for j, (a, b) in enumerate(bounds):
                 ops.copy(xf[lo + a:lo + b], rows[j][a:b])
 
-    def _all_reduce_pipelined(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
+    def _all_reduce_pipelined(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp,
+                              wire_dtype: np.dtype | None) -> None:
         """Between hosts, in two passes over the arena so that the network never waits for
         a whole intra-host stage: pass 1 reduces piece after piece inside the host and starts
         each shard's inter-host all-reduce at once (asynchronously: piece i crosses the
@@ -272,7 +276,7 @@ class Hierarchy:
                 a, b = owned[i]
                 acc = ops.accumulate([v[a:b] for v in views], op, whole[offsets[i]:offsets[i + 1]])
                 accs.append(acc)
-                works.append(self._inter_all_reduce(acc, op, async_op=True))
+                works.append(self._inter_all_reduce(acc, op, True, wire_dtype))
         for i, (lo, hi) in enumerate(pieces):
             views = g.rows(g.next_half(), dt, hi - lo)
             if me < shards:
@@ -283,10 +287,14 @@ class Hierarchy:
             for j, (a, b) in enumerate(partition(hi - lo, shards)):
                 ops.copy(xf[lo + a:lo + b], views[j][a:b])
 
-    def _inter_all_reduce(self, acc: np.ndarray, op: ops.ReduceOp, async_op: bool) -> Any:
+    def _inter_all_reduce(self, acc: np.ndarray, op: ops.ReduceOp, async_op: bool,
+                          wire_dtype: np.dtype | None) -> Any:
         """All-reduce ``acc`` with the inter-host group (its Work when ``async_op``).  The
-        partial sums cross hosts unrounded (fp32 for 16-bit types); avg divides once, at the end."""
-        return self.inter.all_reduce(acc, ops.ReduceOp.SUM if op is ops.ReduceOp.AVG else op, async_op=async_op)
+        partial sums cross hosts unrounded (fp32 for 16-bit types), or on ``wire_dtype`` (each
+        host's float32 partial sum rounded once, summed in float32); avg divides once, at the end.
+        A float16 overflow is judged once, on the final result, by every rank alike."""
+        return self.inter.all_reduce_inner(acc, ops.ReduceOp.SUM if op is ops.ReduceOp.AVG else op,
+                                           async_op, wire_dtype)
 
     def broadcast(self, ctx: CallContext, x: np.ndarray, root: int) -> None:
         g, xf = self.local, flat(x)

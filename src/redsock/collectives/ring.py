@@ -10,6 +10,12 @@ Segment ownership: after the reduce-scatter, rank r holds the reduced segment r.
 Every segment is reduced along one chain and then copied, so all ranks end
 with bitwise-identical results.  16-bit floats travel as float32 partial sums
 during the reduce-scatter and are rounded once, by their owner.
+
+On a 16-bit wire (float32 data) only the all-gather carries 16 bits: the reduce-scatter's
+partial sums stay float32, since rounding them at each of the N-1 steps would add N-1
+roundings of growing partial sums (the error of a cast-before-all-reduce, which the wire's
+bound of one rounding per input and one of the result does not allow).  So the ring saves a
+quarter of its bytes, not half; the reducers and the hierarchy's inter-host stage save half.
 """
 
 from __future__ import annotations
@@ -83,8 +89,9 @@ def segment_chunks(bounds: list[tuple[int, int]], per: int) -> Chunks:
     return [chunks(lo, hi, per) for lo, hi in bounds]
 
 
-def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
-    """In-place ring all-reduce of ``x`` (C-contiguous)."""
+def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp, wire_dtype: np.dtype | None = None) -> None:
+    """In-place ring all-reduce of ``x`` (C-contiguous); ``wire_dtype``: the 16-bit type the
+    all-gather carries (float32 ``x`` only)."""
     xf = flat(x)
     wide = ops.accum_dtype(x.dtype)
     acc = xf if wide == x.dtype else ops.init_acc(xf, ctx.scratch(xf.size, wide))
@@ -93,16 +100,19 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
     rs_posted = post_reduce_scatter(ctx, acc, seg_chunks)
     # Receiving into x while reduce-scatter sends from it are in flight is safe: a segment's
     # final value only comes back after our contribution to it has been delivered.
-    ag_posted = post_all_gather(ctx, xf, seg_chunks)
+    out = xf if wire_dtype is None else ctx.scratch(xf.size, wire_dtype)
+    ag_posted = post_all_gather(ctx, out, seg_chunks)
     right = (ctx.rank + 1) % ctx.world
     ag_sends: list[Handle] = []
 
     def owned(lo: int, hi: int) -> None:  # final for every rank: round once, start the all-gather
-        ops.finalize(acc[lo:hi], op, ctx.world, xf[lo:hi])
-        ag_sends.append(ctx.isend(right, xf[lo:hi]))
+        ops.finalize(acc[lo:hi], op, ctx.world, out[lo:hi])
+        ag_sends.append(ctx.isend(right, out[lo:hi]))
 
     rs_sends = run_reduce_scatter(ctx, acc, seg_chunks, rs_posted, op, owned)
-    run_all_gather(ctx, xf, ag_posted, ag_sends + rs_sends)
+    run_all_gather(ctx, out, ag_posted, ag_sends + rs_sends)
+    if out is not xf:  # the owner too takes the rounded bits: every rank ends with the same
+        ops.from_wire(out, xf)
 
 
 def reduce_scatter(ctx: CallContext, x: np.ndarray, out: np.ndarray, op: ops.ReduceOp) -> None:

@@ -14,6 +14,10 @@ The window is the connection's, not the call's: a call returns once its last
 piece is posted, with a ``finish`` that waits for its results, so the next call
 (DDP's next gradient bucket) streams out while this one's last results come back
 and the link never idles between calls.
+
+On a 16-bit wire (``wire_dtype``: bfloat16 or float16, for float32 data) the worker rounds its
+buffer once, sends and receives the pieces in 16 bits (half the bytes each way), and widens
+each reduced piece into the caller's array as it lands; the reducer sums in float32.
 """
 
 from __future__ import annotations
@@ -124,13 +128,15 @@ class ServerGroup:
                 c.close()
 
 
-def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Finish | None:
-    """Start the call; returns ``finish`` (wait for the results) unless it is already complete."""
+def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp,
+               wire_dtype: np.dtype | None = None) -> Finish | None:
+    """Start the call; returns ``finish`` (wait for the results) unless it is already complete.
+    ``wire_dtype``: the 16-bit type the pieces travel as (float32 ``x`` only), None for ``x``'s own."""
     group = ctx.servers
     if group is None:
         raise PeerFailure("algorithm 'server' needs reduction servers (REDSOCK_SERVERS or init(servers=...))")
     if group.config.server_fallback != "ring" or ctx.world == 1:
-        return _through_servers(ctx, group, x, op)
+        return _through_servers(ctx, group, x, op, wire_dtype)
     # Fallback armed: keep the input, and let every rank agree on the outcome, so that
     # either all ranks keep the servers' result or all redo the call by ring.
     if group.down_since is not None:
@@ -158,7 +164,7 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Finish | No
     small.all_reduce(ctx, reachable, ops.ReduceOp.MIN)
     if reachable[0]:
         try:
-            _through_servers(ctx, group, x, op)()  # all ranks must agree on the outcome first
+            _through_servers(ctx, group, x, op, wire_dtype)()  # all ranks must agree on the outcome first
         except (PeerFailure, TransportError) as e:
             # Even a reducer's word that rank r failed (wire.failed_ranks_reason) may only mean
             # that rank r gave up this call because another reducer failed (it closes all its
@@ -175,7 +181,7 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Finish | No
     group.retry_after_s = RETRY_COST_FACTOR * (group.down_since - t0)
     group.warn_fallback(ctx.seq, failure or "a reduction server failed on another rank")
     flat(x)[:] = saved
-    ring.all_reduce(ctx, x, op)
+    ring.all_reduce(ctx, x, op, wire_dtype)
     return None
 
 
@@ -210,10 +216,14 @@ def _take_credit(in_flight: deque[Handle], timeout_s: float) -> None:
         in_flight.popleft().wait(timeout_s)
 
 
-def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: ops.ReduceOp) -> Finish:
+def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: ops.ReduceOp,
+                     wire_dtype: np.dtype | None) -> Finish:
     """Announce the call and post every piece (waiting only for window credits); the
-    returned ``finish`` waits for the reduced pieces."""
-    xf = flat(x)
+    returned ``finish`` waits for the reduced pieces (and widens them, on a 16-bit wire)."""
+    out = flat(x)
+    # What travels: x itself, or x rounded once to the wire type (the results land there too).
+    xf = out if wire_dtype is None else ops.to_wire(out, ctx.scratch(out.size, wire_dtype))
+    codes = ops.dtype_code(x.dtype), 0 if wire_dtype is None else ops.dtype_code(wire_dtype)
     nserv = len(group.addresses)
     piece = piece_elements(xf.size, xf.itemsize, nserv, group.config.piece_bytes)
     npieces = -(-xf.size // piece)
@@ -237,7 +247,7 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
         try:
             conn = group.conn(0)
             if wire.ANNOUNCE_SIZE + xf.nbytes <= conn.inline_bytes:
-                return _one_record(ctx, group, conn, xf, op, flags, piece, nserv, failed)
+                return _one_record(ctx, group, conn, xf, out, codes, op, flags, piece, nserv, failed)
         except TransportError as e:
             failed(e)
 
@@ -255,8 +265,8 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
             results.append(conns[p % nserv].irecv(xf[lo:hi], wire.piece_tag(ctx.seq, p)))
         fused = set()
         for server in used:
-            ann = wire.Announce(group.job, ctx.seq, ops.dtype_code(x.dtype), op.code, ctx.world, ctx.rank, flags,
-                                xf.size, piece, nserv, server, wire.timeout_ms(ctx.timeout_s))
+            ann = wire.Announce(group.job, ctx.seq, codes[0], op.code, ctx.world, ctx.rank, flags,
+                                       xf.size, piece, nserv, server, wire.timeout_ms(ctx.timeout_s), codes[1])
             record = ann.encode()
             p = server
             if p + nserv >= npieces and wire.ANNOUNCE_SIZE + _piece_nbytes(xf, piece, p) <= conns[server].inline_bytes:
@@ -285,6 +295,9 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
             for p, h in enumerate(results):
                 server = p % nserv
                 h.wait(ctx.timeout_s)
+                if xf is not out:  # widened while the next pieces are still coming
+                    lo, hi = p * piece, min(xf.size, (p + 1) * piece)
+                    ops.from_wire(xf[lo:hi], out[lo:hi])
             for h in sends:
                 h.wait(ctx.timeout_s)
         except TransportError as e:
@@ -293,8 +306,9 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
     return finish
 
 
-def _one_record(ctx: CallContext, group: ServerGroup, conn: Connection, xf: np.ndarray, op: ops.ReduceOp,
-                flags: int, piece: int, nserv: int, failed: Callable[[TransportError], NoReturn]) -> Finish:
+def _one_record(ctx: CallContext, group: ServerGroup, conn: Connection, xf: np.ndarray, out: np.ndarray,
+                codes: tuple[int, int], op: ops.ReduceOp, flags: int, piece: int, nserv: int,
+                failed: Callable[[TransportError], NoReturn]) -> Finish:
     """A call that is one piece small enough to ride in the announce's record: one write out,
     one record back, all in the caller's thread (the general path's bookkeeping per piece
     and per server would cost this call several times its network time)."""
@@ -303,8 +317,9 @@ def _one_record(ctx: CallContext, group: ServerGroup, conn: Connection, xf: np.n
         in_flight = group.in_flight[0]
         _take_credit(in_flight, ctx.timeout_s)
         in_flight.append(result)
-        record = wire.encode_announce(group.job, ctx.seq, ops.dtype_code(xf.dtype), op.code, ctx.world, ctx.rank,
-                                      flags, xf.size, piece, nserv, 0, wire.timeout_ms(ctx.timeout_s)) + xf.tobytes()
+        record = wire.encode_announce(group.job, ctx.seq, codes[0], op.code, ctx.world, ctx.rank, flags,
+                                             xf.size, piece, nserv, 0, wire.timeout_ms(ctx.timeout_s),
+                                             codes[1]) + xf.tobytes()
         sent = conn.isend(record, wire.ANNOUNCE_TAG)
     except TransportError as e:
         failed(e)
@@ -315,5 +330,7 @@ def _one_record(ctx: CallContext, group: ServerGroup, conn: Connection, xf: np.n
             sent.wait(ctx.timeout_s)
         except TransportError as e:
             failed(e)
+        if xf is not out:
+            ops.from_wire(xf, out)
 
     return finish

@@ -174,7 +174,8 @@ class ReductionServer:
 
     def on_announce(self, link: Link, payload: memoryview) -> None:
         ann = wire.decode_announce(payload[:wire.ANNOUNCE_SIZE], max_elements=self.config.max_message_bytes,
-                                   valid_dtype=ops.dtype_from_code, valid_op=ops.ReduceOp.from_code)
+                                   valid_dtype=ops.dtype_from_code, valid_op=ops.ReduceOp.from_code,
+                                   valid_wire=ops.check_wire_code)
         if link.identity is None:
             self._join(link, ann)
             link.identity = (ann.job, ann.rank)
@@ -236,14 +237,15 @@ class ReductionServer:
             self._metrics.jobs.set(len(self._jobs))
 
     def _round(self, ann: wire.Announce) -> Round:
-        signature = (ann.dtype_code, ann.op_code, ann.count, ann.piece_elems, ann.nservers, ann.flags)
+        signature = (ann.dtype_code, ann.wire_code, ann.op_code, ann.count, ann.piece_elems, ann.nservers, ann.flags)
         with self._lock:
             if ann.job not in self._jobs:
                 raise TransportError(f"job {ann.job:#x} was aborted", op="round")
             key = (ann.job, ann.op_seq)
             rnd = self._rounds.get(key)
             if rnd is None:
-                dtype = ops.dtype_from_code(ann.dtype_code)
+                # On a 16-bit wire the pieces are that type: summed in float32, answered in it.
+                dtype = ops.check_wire_code(ann.dtype_code, ann.wire_code)
                 op = ops.ReduceOp.from_code(ann.op_code)
                 ordered = bool(ann.flags & wire.FLAG_DETERMINISTIC)
                 pieces = {}

@@ -26,14 +26,14 @@ from .registration import autoload, register
 
 if TYPE_CHECKING:
     from .backend import Options, ProcessGroupRedsock
-    from .hooks import HookState, allreduce_hook
+    from .hooks import HookState, allreduce_hook, compress_hook
 
 # Explicit `import redsock.torch` registers too.  It logs instead of raising because this
 # package is also what torch's autoload imports, inside `import torch`.
 autoload()
 
 _LAZY = {"ProcessGroupRedsock": "backend", "Options": "backend", "HookState": "hooks",
-         "allreduce_hook": "hooks"}
+         "allreduce_hook": "hooks", "compress_hook": "hooks"}
 
 
 def __getattr__(name: str) -> Any:
@@ -47,4 +47,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["BACKEND_NAME", "HookState", "Options", "ProcessGroupRedsock", "allreduce_hook", "autoload",
-           "register"]
+           "compress_hook", "register"]

@@ -85,3 +85,31 @@ def count_wrong(result: np.ndarray, ref64: np.ndarray) -> int:
     got = result[suspects].astype(np.float64)
     ulp = np.spacing(np.abs(want[suspects])).astype(np.float64)
     return int(np.count_nonzero(np.abs(got - ref64[suspects]) > ulp))
+
+
+def wire_input(count: int, rank: int, seed: int, start: int = 0) -> np.ndarray:
+    """A rank's float32 input for ``--check`` on a 16-bit wire: elements ``start ..
+    start+count`` of values of mixed magnitude (2^-5 .. 2^7) and both signs that the wire must
+    round (a third's binary expansion never ends), with the period of :func:`make_input`."""
+    i = np.arange(start % INPUT_PERIOD, start % INPUT_PERIOD + INPUT_PERIOD, dtype=np.int64)
+    sign = np.where((i + rank + seed) % 2 == 0, -1.0, 1.0)
+    vals = sign * (1 + ((i * 7 + rank * 3 + seed) % 11) / 3) * 2.0 ** ((i * 3 + rank * 5) % 11 - 5)
+    return _tiled(vals.astype(np.float32), count)
+
+
+def wire_reference(count: int, world: int, seed: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The exact float64 sum of :func:`wire_input` over ``world`` ranks, and the sum of the
+    inputs' magnitudes (what :func:`redsock.ops.wire_error_bound` takes)."""
+    rows = np.stack([wire_input(INPUT_PERIOD, r, seed, start).astype(np.float64) for r in range(world)])
+    return _tiled(rows.sum(axis=0), count), _tiled(np.abs(rows).sum(axis=0), count)
+
+
+def wire_errors(result: np.ndarray, exact: np.ndarray, abs_sum: np.ndarray, world: int, wire: np.dtype,
+                op: ops.ReduceOp) -> tuple[int, float]:
+    """Elements of a 16-bit-wire ``result`` beyond :func:`redsock.ops.wire_error_bound`, and the
+    largest relative error (|error| / |exact|, over the elements whose exact value is not 0)."""
+    ref = exact / world if op is ops.ReduceOp.AVG else exact
+    err = np.abs(result.astype(np.float64) - ref)
+    wrong = int(np.count_nonzero(err > ops.wire_error_bound(abs_sum, exact, world, wire, op)))
+    nz = ref != 0
+    return wrong, float((err[nz] / np.abs(ref[nz])).max()) if nz.any() else 0.0

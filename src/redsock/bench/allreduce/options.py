@@ -28,7 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time per call = the slowest rank's total over -n back-to-back calls (median of "
                         f"{B2B_ROUNDS} rounds), not the median of per-call maxima")
     p.add_argument("--algo", default="auto,gloo", help="comma-separated: auto, ring, small, server, hier, gloo")
-    p.add_argument("-c", "--check", action="store_true", help="validate results (the #wrong column)")
+    p.add_argument("-c", "--check", action="store_true",
+                   help="validate results (the #wrong column; on a 16-bit wire against its error bound, with "
+                        "the largest relative error beside)")
+    p.add_argument("--wire-dtype", choices=["off", "bf16", "fp16"],
+                   help="redsock's float32 sum/avg on a 16-bit wire (rounded once per rank, summed in float32); "
+                        "default: REDSOCK_WIRE_DTYPE")
     p.add_argument("--json", metavar="FILE", help="write one JSON object per row")
     p.add_argument("--plot", metavar="FILE.png", help="plot bus bandwidth and latency against size")
     p.add_argument("--nprocs", type=int, help="start this many local ranks (else: RANK/WORLD_SIZE from the environment)")

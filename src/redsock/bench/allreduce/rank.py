@@ -22,7 +22,7 @@ from ... import ops
 from ...config import parse_size
 from ...errors import ConfigError
 from ..procs import BoxCpu, box_cpu, cpu_shares
-from .inputs import count_wrong, make_input, reference, timing_input
+from .inputs import count_wrong, make_input, reference, timing_input, wire_errors, wire_input, wire_reference
 
 REDSOCK_ALGOS = ("auto", "ring", "small", "server", "hier")
 CHECK_BLOCK = 1 << 22  # elements checked at a time
@@ -125,6 +125,9 @@ def run_rank(args: argparse.Namespace) -> int:
     store = store_from_env(rank, world, timeout)
     comm = api.init(rank, world, store)
     dtype, op, algos, sizes = sweep(args)
+    explicit = getattr(args, "wire_dtype", None)
+    # The wire this run's redsock calls use: --wire-dtype, else REDSOCK_WIRE_DTYPE (float32 sum/avg only).
+    wire = ops.wire_for(dtype, op, ops.wire_dtype(explicit or comm.config.wire_dtype), explicit is not None)
     gloo = _Gloo(store, rank, world, timeout) if "gloo" in algos else None
     rows = []
     progress = SweepProgress(rank == 0 and not args.no_progress, len(sizes) * len(algos))
@@ -138,16 +141,23 @@ def run_rank(args: argparse.Namespace) -> int:
                         continue
                     fn = functools.partial(gloo.all_reduce, op=op)
                 else:
-                    fn = functools.partial(comm.all_reduce, op=op, algorithm=None if algo == "auto" else algo)
+                    fn = functools.partial(comm.all_reduce, op=op, algorithm=None if algo == "auto" else algo,
+                                           wire_dtype=explicit)
                 x = timing_input(count, dtype, op, rank)
                 warm, iters = _iters_for(nbytes, args)
                 cpu0, wall0, box0 = time.process_time(), time.perf_counter(), box_cpu()
                 times = _time_algo(fn, x, warm, iters, comm, args.back_to_back)
                 busy = _ranks_busy(comm, time.process_time() - cpu0, time.perf_counter() - wall0)
                 machine, steal = _machine_shares(comm, box0, box_cpu())
-                wrong = _check(fn, count, dtype, op, rank, world, comm) if args.check else -1
+                on_wire = wire if algo != "gloo" else None
+                wrong, max_err = _check(fn, count, dtype, op, rank, world, comm, on_wire) if args.check else (-1, None)
                 how = route(comm, nbytes, algo) if algo != "gloo" else {"scheme": "flat", "inter": "ring"}
-                extra: dict[str, Any] = {**how, "ranks_busy": busy, "machine_busy": machine, "machine_steal": steal}
+                extra: dict[str, Any] = {**how}
+                if on_wire is not None and extra["inter"] in ("server", "ring"):  # ("small" carries float32)
+                    extra["wire_dtype"] = ops.WIRE_NAMES[on_wire]
+                if max_err is not None:
+                    extra["max_rel_err"] = max_err
+                extra.update(ranks_busy=busy, machine_busy=machine, machine_steal=steal)
                 rows.append(report.Row.from_times("gloo" if algo == "gloo" else "redsock", algo, world, nbytes,
                                                   count, dtype.name, op.name.lower(), times, wrong, extra=extra))
                 progress.advance(f"{algo} {nbytes} B")
@@ -183,20 +193,33 @@ def route(comm, nbytes: int, algo: str) -> dict[str, str]:
     return {"scheme": "hierarchical", "inter": comm.hier.inter_algorithm(nbytes)}
 
 
-def _check(fn, count: int, dtype: np.dtype, op: ops.ReduceOp, rank: int, world: int, comm) -> int:
-    """Wrong elements on any rank (vs the float64 reference), plus every element if ranks differ."""
+def _check(fn, count: int, dtype: np.dtype, op: ops.ReduceOp, rank: int, world: int, comm,
+           wire: np.dtype | None = None) -> tuple[int, float | None]:
+    """Wrong elements on any rank (vs the float64 reference), plus every element if ranks
+    differ; and on a 16-bit ``wire`` the largest relative error of any rank (else None).
+
+    On a wire the inputs are of mixed magnitude, so the wire must round them, and an element
+    is wrong beyond the wire's bound (:func:`redsock.ops.wire_error_bound`) rather than one ulp."""
     seed = 1
-    x = make_input(count, dtype, op, rank, seed)
+    x = wire_input(count, rank, seed) if wire is not None else make_input(count, dtype, op, rank, seed)
     fn(x)
+    wrong, max_err = 0, 0.0
     # In blocks: float64 references of a whole 256 MiB buffer take several GB per rank.
-    wrong = sum(count_wrong(x[lo:lo + CHECK_BLOCK], reference(min(CHECK_BLOCK, count - lo), dtype, op, world, seed, lo))
-                for lo in range(0, count, CHECK_BLOCK))
+    for lo in range(0, count, CHECK_BLOCK):
+        n = min(CHECK_BLOCK, count - lo)
+        if wire is None:
+            wrong += count_wrong(x[lo:lo + n], reference(n, dtype, op, world, seed, lo))
+        else:
+            w, e = wire_errors(x[lo:lo + n], *wire_reference(n, world, seed, lo), world, wire, op)
+            wrong, max_err = wrong + w, max(max_err, e)
     digest = zlib.crc32(x.tobytes())
     stats = np.array([wrong, digest, -digest], dtype=np.int64)
     comm.all_reduce(stats[:1], "sum")
     comm.all_reduce(stats[1:], "max")
+    worst = np.array([max_err])
+    comm.all_reduce(worst, "max")
     identical = stats[1] == -stats[2]  # max == min of the digests
-    return int(stats[0]) + (0 if identical else count)
+    return int(stats[0]) + (0 if identical else count), (float(worst[0]) if wire is not None else None)
 
 
 def sweep(args: argparse.Namespace) -> tuple[np.dtype, ops.ReduceOp, list[str], list[int]]:
@@ -210,6 +233,8 @@ def sweep(args: argparse.Namespace) -> tuple[np.dtype, ops.ReduceOp, list[str], 
             raise ConfigError(f"unknown --algo {a!r}; choose from {', '.join(REDSOCK_ALGOS + ('gloo',))}")
     if args.iters < 1 or args.warmup < 0:
         raise ConfigError(f"need -n >= 1 and -w >= 0, got -n {args.iters} -w {args.warmup}")
+    if getattr(args, "wire_dtype", None) is not None:  # asked for: refused where it cannot apply
+        ops.wire_for(dtype, op, ops.wire_dtype(args.wire_dtype), explicit=True)
     return dtype, op, algos, _sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor,
                                     dtype.itemsize)
 

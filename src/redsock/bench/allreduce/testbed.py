@@ -68,25 +68,32 @@ def summary_table(rows: Sequence[report.Row], rate_bps: int, workers: int, serve
     out = [f"# testbed: {workers} workers{ranks}, {servers} reducers, {profile} links at {format_rate(rate_bps)} "
            f"each way; link goodput = {format_rate(rate_bps)} x {GOODPUT_FACTOR} = {goodput:.4f} GB/s",
            "# route = flat (every rank on the network) or hier (reduced inside each host first) : the algorithm "
-           "between hosts, as the ranks chose it; algbw in GB/s; NIC/S = bytes each way through one host link per byte of buffer (ring: flat 2(N-1)/N, "
-           "hierarchical 2(H-1)/H; reducers: flat L, hierarchical 1); bound = goodput / NIC/S; "
+           "between hosts, as the ranks chose it (/bf16, /fp16: on that 16-bit wire); algbw in GB/s; "
+           "NIC/S = bytes each way through one host link per byte of buffer (ring: flat 2(N-1)/N, "
+           "hierarchical 2(H-1)/H; reducers: flat L, hierarchical 1; on a 16-bit wire x1/2 for the reducers, "
+           "x3/4 for the ring, whose reduce-scatter stays float32); bound = goodput / NIC/S; "
            "%bound = algbw / bound; /gloo = algbw / gloo's algbw (same size, this run); "
            "ideal = gloo's NIC/S / this NIC/S; busy = the whole machine's cores in use while the row was "
            f"timed (ranks, reducers, the kernel's network work: at {BUSY_LIMIT:.0%} or more the row measures "
            "the CPU rather than the links); steal = of that, the share the hypervisor gave other guests "
-           "(it slows every process at once)"]
+           "(it slows every process at once); maxerr = the largest relative error --check saw on a 16-bit wire"]
     gloo = {(r.world, r.bytes, r.dtype, r.op): r for r in rows if r.algo == "gloo"}
-    out.append(f"#{'size':>9} {'algo':>7} {'route':>12} {'time(us)':>10} {'algbw':>9} {'NIC/S':>6} {'bound':>8} "
-               f"{'%bound':>7} {'gloo':>9} {'/gloo':>7} {'ideal':>6} {'busy':>5} {'steal':>5} {'#wrong':>7}")
+    errs = any("max_rel_err" in r.extra for r in rows)
+    rw = 16 if any(r.extra.get("wire_dtype") for r in rows) else 12  # route's width ("hier:server/bf16")
+    out.append(f"#{'size':>9} {'algo':>7} {'route':>{rw}} {'time(us)':>10} {'algbw':>9} {'NIC/S':>6} {'bound':>8} "
+               f"{'%bound':>7} {'gloo':>9} {'/gloo':>7} {'ideal':>6} {'busy':>5} {'steal':>5} {'#wrong':>7}"
+               + (f" {'maxerr':>9}" if errs else ""))
     for r in sorted(rows, key=lambda r: (r.bytes, r.algo == "gloo")):
         g = None if r.algo == "gloo" else gloo.get((r.world, r.bytes, r.dtype, r.op))
         inter, scheme = row_route(r)
-        factor = host_nic_factor(inter, r.world, workers, scheme)
+        wire = r.extra.get("wire_dtype")
+        factor = host_nic_factor(inter, r.world, workers, scheme, wire=bool(wire))
         bound = goodput / factor if factor else None
-        ideal = None if r.algo == "gloo" else ideal_over_gloo(inter, r.world, workers, scheme)
-        how = f"{scheme[:4]}:{'ring' if inter == 'gloo' else inter}"
+        ideal = None if r.algo == "gloo" else ideal_over_gloo(inter, r.world, workers, scheme, wire=bool(wire))
+        how = f"{scheme[:4]}:{'ring' if inter == 'gloo' else inter}" + (f"/{wire}" if wire else "")
+        err = r.extra.get("max_rel_err")
         out.append(
-            f"{report.human_size(r.bytes, sep=''):>10} {r.algo:>7} {how:>12} {_us(r.median_s):>10} "
+            f"{report.human_size(r.bytes, sep=''):>10} {r.algo:>7} {how:>{rw}} {_us(r.median_s):>10} "
             f"{r.algbw_GBps:9.4f} {(f'{factor:6.2f}' if factor else '-'):>6} "
             f"{(f'{bound:8.4f}' if bound else '-'):>8} "
             f"{(f'{100 * r.algbw_GBps / bound:6.1f}%' if bound else '-'):>7} "
@@ -94,7 +101,8 @@ def summary_table(rows: Sequence[report.Row], rate_bps: int, workers: int, serve
             f"{(f'{r.algbw_GBps / g.algbw_GBps:7.2f}' if g and g.algbw_GBps > 0 else '-'):>7} "
             f"{(f'{ideal:6.2f}' if ideal else '-'):>6} "
             f"{report.percent(r.extra.get('machine_busy')):>5} {report.percent(r.extra.get('machine_steal')):>5} "
-            f"{('N/A' if r.wrong < 0 else str(r.wrong)):>7}")
+            f"{('N/A' if r.wrong < 0 else str(r.wrong)):>7}"
+            + (f" {('N/A' if err is None else f'{err:.2e}'):>9}" if errs else ""))
     return "\n".join(out)
 
 

@@ -69,6 +69,7 @@ CMA_PIECE_BYTES = 128 * KiB
 #: of spin: 330 / 237 / 231 us per call, against gloo's 850-970 us in the same runs).
 SPIN_MAX_US = 50
 SPIN_SMALL_US = 2000
+CMA_SPIN_US = SPIN_SMALL_US
 
 
 #: How many call shapes all_reduce_here keeps prepared (a training loop's few).
@@ -271,7 +272,7 @@ class Hierarchy:
         rows = ctx.scratch(g.size * step, dt).reshape(g.size, step)  # the peers' pieces and the result
         acc = ctx.scratch(step, ops.accum_dtype(dt))
         g.publish(xf)
-        g.sync(call_signature(ctx.seq, ctx.check), timeout_s=ctx.timeout_s)
+        g.sync(call_signature(ctx.seq, ctx.check), CMA_SPIN_US, ctx.timeout_s)
         for lo, hi in chunks(a, b, step):
             inputs = [xf[lo:hi] if lr == me else rows[lr, :hi - lo] for lr in range(g.size)]
             for lr in range(g.size):
@@ -283,7 +284,7 @@ class Hierarchy:
                 if lr != me:
                     g.write_to(lr, lo * dt.itemsize, out)
             ops.copy(xf[lo:hi], out)
-        g.sync(None, timeout_s=ctx.timeout_s)
+        g.sync(None, CMA_SPIN_US, ctx.timeout_s)
 
     def _all_reduce_pipelined(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
         """Between hosts, in two passes over the arena so that the network never waits for

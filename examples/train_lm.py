@@ -71,8 +71,9 @@ class SyntheticTokens:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="redsock", help="redsock or gloo (any torch.distributed backend)")
-    p.add_argument("--hook", choices=["none", "redsock"], default="none",
-                   help="redsock: keep --backend for everything else, all-reduce gradient buckets with redsock")
+    p.add_argument("--hook", choices=["none", "redsock", "powersgd"], default="none",
+                   help="redsock: keep --backend for everything else, all-reduce gradient buckets with redsock; "
+                        "powersgd: torch's PowerSGD hook (rank 2, compressed from step 2) on --backend")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the steps/s figure")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
@@ -113,6 +114,13 @@ def main(argv: list[str] | None = None) -> None:
 
         hook_state = HookState.from_process_group()
         ddp.register_comm_hook(hook_state, allreduce_hook)
+    elif args.hook == "powersgd":
+        # Its future callbacks start and wait for further all-reduces: a backend must run them
+        # where a nested collective can still make progress.
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        state = powersgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
     lr = args.lr if args.lr is not None else (1e-3 if args.optimizer == "adamw" else 0.05)
     opt = (torch.optim.AdamW(ddp.parameters(), lr=lr) if args.optimizer == "adamw"
            else torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9))

@@ -13,6 +13,7 @@ import pytest
 
 from redsock import ops
 from redsock.bench import allreduce
+from redsock.bench.allreduce import local
 from redsock.bench.procs import BoxCpu, box_cpu, cpu_shares
 
 
@@ -42,9 +43,9 @@ def test_timing_inputs_stay_put_under_repeated_reductions(dtype, op):
 
 
 def test_exit_reasons_name_the_signal():
-    assert allreduce._exit_reason(3) == "exited with status 3"
-    assert "SIGKILL" in allreduce._exit_reason(-signal.SIGKILL) and "out of memory" in allreduce._exit_reason(-9)
-    assert allreduce._exit_reason(-signal.SIGTERM) == "was killed by SIGTERM"
+    assert local._exit_reason(3) == "exited with status 3"
+    assert "SIGKILL" in local._exit_reason(-signal.SIGKILL) and "out of memory" in local._exit_reason(-9)
+    assert local._exit_reason(-signal.SIGTERM) == "was killed by SIGTERM"
 
 
 def test_launcher_says_which_rank_failed():

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from redsock.bench import allreduce, allreduce_testbed, report
+from redsock.bench import allreduce, report
+from redsock.bench.allreduce import testbed as allreduce_testbed
 from redsock.testbed import list_prefix_netns
 
 IS_ROOT = os.geteuid() == 0

@@ -48,7 +48,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces an
 
 
 def test_testbed_row_arithmetic():
-    from redsock.bench.floor_testbed import _row
+    from redsock.bench.floor.testbed import _row
 
     r = _row(64 << 20, 4, 2, 1_000_000_000, 0.8, 1.0)
     assert r["floor_algbw"] == pytest.approx((64 << 20) / 0.8 / 1e9)
@@ -97,7 +97,7 @@ def test_fanin_reducer_refuses_a_rank_out_of_range():
     import socket
     import struct
 
-    from redsock.bench.floor import fanin_accept
+    from redsock.bench.floor.loopback import fanin_accept
     from redsock.errors import PeerFailure
 
     srv = socket.create_server(("127.0.0.1", 0))
@@ -109,7 +109,7 @@ def test_fanin_reducer_refuses_a_rank_out_of_range():
 
 
 def test_run_threads_waits_for_all_and_reraises_the_first_error():
-    from redsock.bench.floor import run_threads
+    from redsock.bench.floor.loopback import run_threads
 
     done = []
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from redsock.bench.transport_testbed import GOODPUT_FACTOR
+from redsock.bench.transport.testbed import GOODPUT_FACTOR
 from redsock.testbed import cleanup_prefix, list_prefix_netns, parse_rate
 
 IS_ROOT = os.geteuid() == 0

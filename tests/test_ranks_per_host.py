@@ -16,13 +16,17 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
-from redsock.bench import allreduce, allreduce_testbed, ddp_testbed, report
-from redsock.bench import reproduce as R
-from redsock.bench.testbed_launch import host_nic_factor, rank_env, start_ranks, stop, wait_ranks
+from redsock.bench import allreduce, ddp_testbed, report
+from redsock.bench.allreduce import testbed as allreduce_testbed
+from redsock import reproduce as R
+from redsock.reproduce import tables
+from redsock.bench.bounds import host_nic_factor
+from redsock.bench.testbed_launch import rank_env, start_ranks, stop, wait_ranks
 from redsock.errors import ConfigError
 from redsock.testbed import RankSlot, Testbed, list_prefix_netns, place_ranks
 
@@ -219,7 +223,7 @@ def test_reproduce_section_plans_and_reports_two_ranks_per_host(tmp_path: Path) 
     assert pts["auto-ring"].bound_GBps == pytest.approx(GOODPUT / 1.5)
     assert pts["auto-ring"].over_gloo == pytest.approx(0.9 * 1.75 / 1.5 / 0.8)  # its run's gloo, not the first's
     assert pts["ring"].over_gloo == pytest.approx(1.0) and pts["gloo2"].over_gloo is None
-    info = R.RunInfo(s, {"CPU": "test"}, R.datetime(2026, 1, 1, tzinfo=R.timezone.utc), 60.0, "python", "rsrpx")
+    info = R.RunInfo(s, {"CPU": "test"}, datetime(2026, 1, 1, tzinfo=timezone.utc), 60.0, "python", "rsrpx")
     md = R.render_markdown(info, [R.StepResult(st, "ok", 0, 90.0, data=rows[:3], cpu_pct=97),
                                   R.StepResult(ring, "ok", 0, 80.0, data=rows[3:], cpu_pct=95)])
     assert "## 5. Several ranks per host" in md and "### 4 hosts x 2 ranks = 8 ranks, 4 reducer hosts" in md
@@ -227,7 +231,7 @@ def test_reproduce_section_plans_and_reports_two_ranks_per_host(tmp_path: Path) 
     assert (f"| {hier.label} vs gloo's flat ring (4 hosts x 2 ranks, 64 MiB) | "
             f"{0.8 * 1.75 / 0.9:.2f}x; at 80% of its bound | ideal 1.75x (bytes per host link: gloo 1.75 S, "
             "this 1.00 S)") in md
-    assert f"| 64 MiB | {hier.label} | {R._us(hier.row.median_s)} |" in md
+    assert f"| 64 MiB | {hier.label} | {tables.us(hier.row.median_s)} |" in md
     assert "| 64 MiB | gloo (run without reducers) |" in md
 
 

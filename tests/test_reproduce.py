@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from redsock.bench import report
-from redsock.bench import reproduce as R
+from redsock import reproduce as R
+from redsock.reproduce import tables
 from redsock.errors import ConfigError, RedsockError
 from redsock.testbed import cleanup_prefix, list_prefix_netns
 
@@ -136,7 +137,7 @@ def test_allreduce_points_bounds_and_ratios() -> None:
     table = R.allreduce_table(groups[("uniform", 4)])
     server = pts["server"].row
     line = next(x for x in table.splitlines() if "| redsock reducers |" in x)
-    assert line == (f"| 64 MiB | redsock reducers | {R._us(server.median_s)} | {server.algbw_GBps:.4f} "
+    assert line == (f"| 64 MiB | redsock reducers | {tables.us(server.median_s)} | {server.algbw_GBps:.4f} "
                     f"| {server.busbw_GBps:.4f} | 0.1195 | 90.0% | 1.69x | 1.50x | - | 81% |")  # (machine busy)
     assert next(x for x in table.splitlines() if "| gloo |" in x).endswith("| - | - |")  # (no reading: older rows)
     assert "| 64 MiB | redsock ring, Fast Socket |" in table and "| 1.50x |" in table
@@ -391,13 +392,13 @@ def test_smoke_run_writes_report_plots_and_raw_json(tmp_path: Path) -> None:
         assert {r.algo for r in rows} == set(series)
         for r in rows:
             assert r.extra["testbed"]["workers"] == 2
-            cells = (f"| {report.human_size(r.bytes)} | {R.SERIES_LABELS[series[r.algo]]} | {R._us(r.median_s)} "
+            cells = (f"| {report.human_size(r.bytes)} | {R.SERIES_LABELS[series[r.algo]]} | {tables.us(r.median_s)} "
                      f"| {r.algbw_GBps:.4f} | {r.busbw_GBps:.4f} |")
             assert cells in md, cells
     lat = report.read_json(res / "latency-n2.jsonl")
     assert {r.algo for r in lat} == {"ring", "auto", "server", "gloo"}
     for r in lat:
-        assert f"| 8 B | {R.SERIES_LABELS[r.algo]} | {R._us(r.median_s)} |" in md
+        assert f"| 8 B | {R.SERIES_LABELS[r.algo]} | {tables.us(r.median_s)} |" in md
     for t in map(json.loads, (res / "transport.jsonl").read_text().splitlines()):
         assert f"| {t['gbps']:.3f} |" in md
     assert "REDSOCK_NSOCKS=1 python -m redsock bench allreduce" in md

@@ -274,6 +274,57 @@ def _stop_within(proc, limit_s: float) -> tuple[int | None, float]:
     return code, time.monotonic() - t0
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_every_worker_raises_within_5s_when_its_reducer_stops(sig):
+    """A reducer serving a 2-rank job (1 MiB all-reduces, REDSOCK_TIMEOUT_S 20) is stopped,
+    with a busy loop per core: each time, *every* worker raises PeerFailure naming the
+    reducer within 5 s (a SIGTERMed reducer exits 0 within 2 s).  TEST_REDUCER_STOPS tries
+    (the closing note of the never-a-hang issue ran 50 of each)."""
+    tries = int(os.environ.get("TEST_REDUCER_STOPS", "4"))
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    problems: list[str] = []
+    raised_after: list[float] = []
+    try:
+        for i in range(tries):
+            proc, addr = start_reducer()
+            outs: dict = {}
+            world = threading.Thread(target=lambda: outs.setdefault("ranks", run_world(
+                "server_loop", 2, timeout=90, env={"REDSOCK_SERVERS": addr, "TEST_TIMEOUT_S": "20"})))
+            world.start()
+            try:
+                _wait_until(lambda: "joined" in _log_text(proc), 60, every_s=0.01)
+                time.sleep(0.2)  # mid-loop
+                stopped_at = time.time()
+                if sig == signal.SIGTERM:
+                    code, took = _stop_within(proc, 2.0)
+                    if code != 0 or took > 2.0:
+                        problems.append(f"try {i}: the reducer exited {code} after {took:.1f} s")
+                else:
+                    proc.kill()
+                    proc.wait()
+            finally:
+                world.join(90)
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            for r, (rc, out, err) in enumerate(outs.get("ranks", [])):
+                m = re.search(r"raised PeerFailure after \S+ at ([\d.]+): (.*)", out)
+                if rc != 0 or not m:
+                    problems.append(f"try {i} rank {r}: exit {rc}, no PeerFailure:\n{out[-500:]}\n{err[-1500:]}")
+                    continue
+                raised_after.append(float(m.group(1)) - stopped_at)
+                if raised_after[-1] > 5.0 or "reduction server" not in m.group(2):
+                    problems.append(f"try {i} rank {r}: raised {raised_after[-1]:.1f} s after the stop: {m.group(2)}")
+            if "ranks" not in outs:
+                problems.append(f"try {i}: the job did not finish")
+    finally:
+        stop_processes(burners)
+    raised_after.sort()
+    print(f"{tries} reducer {sig.name}s: {len(raised_after)} worker PeerFailures, after median "
+          f"{raised_after[len(raised_after) // 2]:.2f} s, slowest {raised_after[-1]:.2f} s")
+    assert not problems, f"{len(problems)} problems in {tries} tries:\n" + "\n".join(problems)
+
+
 def test_sigterm_mid_job_makes_workers_raise_peer_failure(reducers):
     (proc,), servers = reducers(1)
     outs = {}

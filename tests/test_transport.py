@@ -449,6 +449,26 @@ def test_send_completes_when_the_peer_closes_right_after_receiving(make_pair):
         client.recv(np.empty(8, np.uint8), 4, timeout=10)
 
 
+@pytest.mark.parametrize("nbytes", [1, 300_000])  # inline on the control stream; sliced over the data streams
+def test_a_message_that_arrived_before_the_peer_closed_is_still_received(make_pair, nbytes):
+    """The peer sends its last message and closes before this side posts the receive (the
+    benchmark's final ack on a busy machine): the connection fails, but the message had
+    arrived whole, so a receive of it delivers it; only the next one reports the close."""
+    client, server = make_pair(nsocks=2, chunk_bytes=64 * 1024)
+    data = pattern(nbytes, 11)
+    server.send(data, 6, timeout=10)
+    server.close()
+    deadline = time.monotonic() + 10
+    while client.error is None and time.monotonic() < deadline:  # the close is seen, the message kept
+        time.sleep(0.01)
+    assert client.error is not None
+    out = np.empty_like(data)
+    client.recv(out, 6, timeout=10)
+    assert np.array_equal(out, data)
+    with pytest.raises(TransportError, match="closed the connection"):
+        client.recv(np.empty(8, np.uint8), 6, timeout=10)
+
+
 def test_backlogged_control_sends_complete_when_the_peer_closes_right_after(make_pair, monkeypatch):
     """Small messages that met a full control-stream buffer are finished by a helper thread;
     the peer reads them all and closes at once: they were delivered, so they succeeded."""

@@ -289,6 +289,39 @@ def async_ops(gloo) -> None:
     print("ok", flush=True)
 
 
+def nested(gloo) -> None:
+    """A future's callback starts another all-reduce of the same group and waits for it (as
+    torch's PowerSGD hook does), two levels deep, with several such chains in flight: each
+    must finish with gloo's results instead of waiting on the thread that would run it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = float(sum(range(1, world + 1)))
+
+    def inner_then(fut: torch.futures.Future) -> torch.Tensor:
+        y = fut.value()[0] * 2
+        dist.all_reduce(y, async_op=True).get_future().wait()  # level 2: waits on another collective
+        return y
+
+    def outer_then(fut: torch.futures.Future) -> torch.Tensor:
+        z = fut.value()[0] + 1
+        work = dist.all_reduce(z, async_op=True)
+        return work.get_future().then(inner_then).wait()  # level 1 waits for level 2's chain
+
+    chains = []
+    for n in (5, 70_000, 600_000):  # inline, data streams, large enough for every path
+        x = torch.full((n,), float(rank + 1))
+        chains.append((n, dist.all_reduce(x, async_op=True).get_future().then(outer_then)))
+    for n, fut in chains:
+        # closed form: s = sum(rank+1); level 1: world * (s + 1); level 2: world * 2 * that
+        same(fut.wait(), torch.full((n,), world * 2 * world * (total + 1)), f"nested callbacks n={n}")
+    # the group keeps working afterwards, as gloo's does
+    x = torch.full((9,), float(rank))
+    ref = x.clone()
+    dist.all_reduce(x)
+    dist.all_reduce(ref, group=gloo)
+    same(x, ref, "all_reduce after nested callbacks")
+    print("ok", flush=True)
+
+
 def subgroups(gloo) -> None:
     """new_group over subsets: each group its own Communicator; results equal gloo's groups."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -377,7 +410,7 @@ def per_call_timeout(gloo) -> None:
     os._exit(0)  # skip destroy_process_group: the group failed
 
 
-SCENARIOS = {"ops": ops, "async": async_ops, "subgroups": subgroups, "failure": failure,
+SCENARIOS = {"ops": ops, "async": async_ops, "nested": nested, "subgroups": subgroups, "failure": failure,
              "per_call_timeout": per_call_timeout}
 
 

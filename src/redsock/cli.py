@@ -17,7 +17,7 @@ COMMANDS = [
     ("bench", "soak", "redsock.bench.soak", "thousands of random checked all-reduces; reducer memory must stay flat"),
     ("bench", "floor", "redsock.bench.floor", "what plain sockets allow here (ring traffic, reducer fan-in), next to gloo"),
     ("bench", "ddp", "redsock.bench.ddp_testbed", "DDP training steps/s on the emulated cluster: gloo, redsock ring, reducers"),
-    ("", "reproduce", "redsock.bench.reproduce", "measure the seed's claims on the emulated testbed (root): docs/results.md"),
+    ("", "reproduce", "redsock.reproduce", "measure the seed's claims on the emulated testbed (root): docs/results.md"),
     ("", "plan", "redsock.plan.command", "predict every all-reduce algorithm's time at any scale; size reducers"),
     ("", "calibrate", "redsock.plan.calibrate", "measure the plan's constants here and write a profile (JSON)"),
 ]

@@ -45,7 +45,7 @@ from ..testbed import netns as nx
 from ..testbed.cluster import PROFILES, Testbed
 from ..testbed.netns import format_rate, parse_rate
 from . import report
-from .procs import box_cpu, cpu_shares
+from .procs import box_cpu, cpu_shares, no_interrupts, terminate_as_interrupt
 from .testbed_launch import (MASTER_PORT, Proc, rank0_output, set_congestion_control, start_ranks, start_servers,
                              stop, tail, tcp_counters, tcp_delta, tcp_line, wait_ranks)
 
@@ -171,8 +171,6 @@ def _train_argv(args: argparse.Namespace, backend: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Build the testbed, train once per algorithm and repeat, report; always tear down."""
-    from .transport_testbed import _no_interrupts, _terminate_as_interrupt
-
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     unknown = [a for a in algos if a not in ALGOS]
     if unknown or not algos:
@@ -200,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     results: dict[str, list[dict[str, Any]]] = {a: [] for a in algos}
     rc = 0
-    with tempfile.TemporaryDirectory(prefix="redsock-ddp-tb-") as tmp, _terminate_as_interrupt():
+    with tempfile.TemporaryDirectory(prefix="redsock-ddp-tb-") as tmp, terminate_as_interrupt():
         logdir = Path(tmp)
         server_procs: list[Proc] = []
         ranks: list[Proc] = []
@@ -250,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"redsock: ddp testbed run failed: {e}", file=sys.stderr)
             rc = 1
         finally:
-            with _no_interrupts():
+            with no_interrupts():
                 stop(ranks + server_procs)
                 tb.down()
     done = {a: r for a, r in results.items() if r}

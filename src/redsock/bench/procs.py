@@ -6,8 +6,10 @@ from __future__ import annotations
 import signal
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -94,3 +96,39 @@ def cpu_shares(before: BoxCpu, after: BoxCpu) -> tuple[float, float]:
     (2026-12-03)."""
     total = max(1, after.total - before.total)
     return (after.busy - before.busy) / total, (after.steal - before.steal) / total
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM/SIGHUP raise KeyboardInterrupt, so the testbed's ``finally`` runs for them too."""
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        for s in old:
+            signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        if in_main:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+@contextmanager
+def no_interrupts() -> Iterator[None]:
+    """Hold off Ctrl-C / SIGTERM while tearing down, so a second one cannot leave namespaces."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.getsignal(s) for s in sigs}
+    for s in sigs:
+        signal.signal(s, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -22,7 +22,9 @@ import numpy as np
 
 from .. import ops
 from ..errors import ConfigError
-from .allreduce import _progress, count_wrong, launch_local, make_input, reference
+from .allreduce.inputs import count_wrong, make_input, reference
+from .allreduce.local import launch_local
+from .allreduce.rank import SweepProgress
 from .testbed_launch import proc_status
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
@@ -49,7 +51,7 @@ def run_rank(args: argparse.Namespace) -> int:
     rss_first: list[int] = []
     reduced = 0  # bytes the reducers received (every rank's contribution to every server call)
     cpu_first = [proc_status(p)["cpu_s"] for p in reducers] if rank == 0 else []
-    progress = _progress(rank == 0 and not args.no_progress, args.count)
+    progress = SweepProgress(rank == 0 and not args.no_progress, args.count)
     t0 = time.monotonic()
     try:
         for i in range(args.count):

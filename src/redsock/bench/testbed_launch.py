@@ -4,8 +4,7 @@ Reducers (``redsock serve``) on the reducer hosts, torchrun-style ranks on the
 worker hosts (one or several per host, rank 0's output relayed live), waiting
 with a deadline that names the process that failed, stopping everything; plus
 the machine-wide CPU counter, the hosts' TCP congestion control and their TCP
-retransmission counters, and the bytes an all-reduce puts through a host's link
-(:func:`host_nic_factor`), from which the benchmarks' bounds follow.
+retransmission counters.  The bounds the benchmarks report against are in :mod:`.bounds`.
 """
 
 from __future__ import annotations
@@ -20,46 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ..errors import ConfigError, RedsockError
+from ..errors import RedsockError
 from ..testbed import netns as nx
 from ..testbed.cluster import RankSlot, Testbed
 
-#: Payload goodput of a shaped testbed link as a share of its configured rate
-#: (tc counts Ethernet/IP/TCP headers; measured on this testbed at a 1500-byte MTU).
-GOODPUT_FACTOR = 0.956
 MASTER_PORT = 29500
 SERVER_PORT = 7700
 SERVER_START_S = 30.0
-
-
-#: How an all-reduce crosses hosts: every rank on its own ("flat"), or reduced inside each
-#: host first so that only one shard per rank leaves it ("hierarchical").
-SCHEMES = ("flat", "hierarchical")
-
-
-def host_nic_factor(algo: str, world: int, hosts: int, scheme: str = "flat") -> float | None:
-    """Bytes through one host's link, each way, per byte of an all-reduce of ``world`` ranks
-    placed consecutively on ``hosts`` hosts, L = world / hosts each (DESIGN.md section 7):
-
-    * ring (gloo's too): flat 2(N-1)/N (of the ring's edges only the one leaving a host
-      crosses its link, and every edge carries 2S(N-1)/N); hierarchical 2(H-1)/H (each
-      local rank rings its S/L shard over the H hosts);
-    * reducers (``server``): flat L (every rank sends S and receives S); hierarchical 1.
-
-    None where there is no closed form (``auto`` / ``small`` choose by size) or no link is
-    crossed (one host).
-    """
-    if scheme not in SCHEMES:
-        raise ConfigError(f"unknown scheme {scheme!r}; one of {', '.join(SCHEMES)}")
-    if world < 1 or hosts < 1 or world % hosts:
-        raise ConfigError(f"{world} ranks do not fill {hosts} hosts evenly")
-    if hosts < 2:
-        return None
-    if algo == "server":
-        return 1.0 if scheme == "hierarchical" else world / hosts
-    if algo in ("ring", "gloo"):
-        return 2 * (hosts - 1) / hosts if scheme == "hierarchical" else 2 * (world - 1) / world
-    return None
 
 
 @dataclass

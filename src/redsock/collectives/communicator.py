@@ -54,6 +54,12 @@ class Work:
         return self._future.done()
 
     def get_future(self) -> Future:
+        """The underlying :class:`concurrent.futures.Future`.  Callbacks added to it with
+        ``add_done_callback`` run on the communicator's thread that finished the collective
+        (as concurrent.futures does): keep them short, and never wait there for another
+        collective of this communicator — it would wait for the very thread it blocks.  To
+        chain collectives, wait in your own thread; the torch backend's futures run
+        callbacks on threads of their own (:mod:`redsock.torch.work`)."""
         return self._future
 
 

@@ -356,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
     if args.emit == "k8s":
         from .k8s import file_yaml, manifests_from_args, to_yaml
 
-        files = manifests_from_args(plan, args)
+        files = manifests_from_args(plan.cluster, args)
         if not args.emit_dir:
             sys.stdout.write(to_yaml(files))
             return 0

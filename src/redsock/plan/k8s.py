@@ -18,12 +18,11 @@ them against the Kubernetes schemas, and runs their container command lines loca
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import ConfigError
+from .model import Cluster
 
-if TYPE_CHECKING:
-    from .command import Plan
 
 __all__ = ["REDUCER_ARGS", "add_arguments", "manifests", "reducer_args", "to_yaml"]
 
@@ -196,8 +195,8 @@ def manifests(hosts: int, per_host: int, reducers: int, reducer_cores: int = 1, 
     }
 
 
-def manifests_from_args(plan: "Plan", args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    c = plan.cluster
+def manifests_from_args(c: Cluster, args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """The manifests of ``--emit k8s`` for the plan's cluster ``c``."""
     return manifests(c.hosts, c.ranks_per_host, c.reducers, c.reducer_cores, image=args.image,
                      trainer_image=args.trainer_image, script=args.train_script, job=args.job_name,
                      namespace=args.namespace)

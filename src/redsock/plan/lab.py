@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bench import reproduce
-from ..bench import report
+from ..bench import report, suite
+from ..bench.bounds import GOODPUT_FACTOR
 from ..bench.report import Row, human_size
 from ..bench.testbed_launch import BUSY_LIMIT, MACHINE_BUSY_RE
 from ..errors import ConfigError
@@ -80,15 +80,12 @@ def load_lab(results_dir: str | Path) -> list[Row]:
     results_dir = Path(results_dir)
     if not results_dir.is_dir():
         raise ConfigError(f"{results_dir} is not a directory of reproduce results")
-    # reproduce's own steps name the files and say which series each algo is in them.
-    every_n = reproduce.Settings(mode="lab", sections=("allreduce", "latency", "multirank"), workers=tuple(range(2, 101)))
-    known = {s.key: s for s in reproduce.make_plan(every_n, results_dir, "lab")}
     rows: list[Row] = []
     for path in sorted(results_dir.glob("*.jsonl")):
         busy = _machine_busy(path)
         # A row's own reading (taken while it was timed) is closer than its run's average.
         rows += [r if busy is None else dataclasses.replace(r, extra={"machine_busy": busy, **r.extra})
-                 for r in _load_rows(path, known.get(path.stem))]
+                 for r in _load_rows(path, suite.stored_step(path))]  # reproduce's steps say the series
     if not rows:
         raise ConfigError(f"no all-reduce results (allreduce-n*.jsonl, ...) in {results_dir}")
     return rows
@@ -101,10 +98,10 @@ def _machine_busy(jsonl: Path) -> float | None:
     return max(map(int, found)) / 100 if found else None
 
 
-def _load_rows(path: Path, step: Any) -> list[Row]:
+def _load_rows(path: Path, step: suite.Step | None) -> list[Row]:
     """The all-reduce rows of one file: a reproduce step's, or another benchmark's."""
     if step is not None:
-        return reproduce.load_data(step, path) if step.section in ("allreduce", "latency", "multirank") else []
+        return suite.load_data(step, path) if step.section in ("allreduce", "latency", "multirank") else []
     # Another benchmark's rows (e.g. several ranks per host): all-reduce rows with a testbed
     # layout count, their algo naming the series.
     try:
@@ -123,7 +120,7 @@ def _layout(r: Row) -> tuple[Cluster, float]:
     if r.world % per_host:
         raise ConfigError(f"row {r.label}: world {r.world} is not a multiple of {per_host} ranks per host")
     cluster = _testbed_cluster(r.world // per_host, per_host, float(tb["rate_bps"]), int(tb.get("servers", 0)))
-    return cluster, float(tb.get("goodput_factor", reproduce.GOODPUT_FACTOR))
+    return cluster, float(tb.get("goodput_factor", GOODPUT_FACTOR))
 
 
 def _testbed_cluster(hosts: int, per_host: int, rate_bps: float, reducers: int) -> Cluster:
@@ -175,7 +172,7 @@ def _t(s: float) -> str:
 
 def summary(checks: list[Check]) -> str:
     """Per layout (N, ranks per host, series), its largest measured size: the headline table."""
-    labels = reproduce.SERIES_LABELS
+    labels = suite.SERIES_LABELS
     biggest: dict[tuple[int, int, str], Check] = {}
     for c in checks:
         key = (c.row.world, c.cluster.ranks_per_host, c.series)
@@ -197,7 +194,7 @@ def summary(checks: list[Check]) -> str:
 def markdown(checks: list[Check], min_bytes: int = 0) -> str:
     """The comparison table (one row per measured point of at least ``min_bytes``) and a
     one-line verdict over all of them."""
-    labels = reproduce.SERIES_LABELS
+    labels = suite.SERIES_LABELS
     lines = ["| hosts x ranks | reducers | size | series | measured | predicted | error | bottleneck (model) | class "
              "| busy: machine / ranks | reducers' CPU on the lab's cores | within 15% |",
              "|---:|---:|---:|:---|---:|---:|---:|:---|:---|:---:|---:|:---:|"]
@@ -251,7 +248,7 @@ def ddp_checks(results_dir: str | Path, profile: Profile, cores: int | None = No
     cores = cores or os.cpu_count() or 1
     out = []
     for path in sorted(Path(results_dir).glob("ddp-n*.jsonl")):
-        rows = reproduce.load_data(reproduce.Step(path.stem, "ddp", "", (), 0), path)
+        rows = suite.load_data(suite.Step(path.stem, "ddp", "", (), 0), path)
         gloo = next((r for r in rows if r["algo"] == "gloo"), None)
         if gloo is None:
             continue
@@ -306,7 +303,7 @@ def results_section(results_dir: str | Path, profile: Profile, cores: int | None
     misses = [c for c in checks if c.ok is False]
     if misses:
         lines += ["", "Link-bound points outside the bound (not fitted away):", ""]
-        lines += [f"- {c.cluster.hosts} x {c.cluster.ranks_per_host}, {reproduce.SERIES_LABELS.get(c.series, c.series)}, "
+        lines += [f"- {c.cluster.hosts} x {c.cluster.ranks_per_host}, {suite.SERIES_LABELS.get(c.series, c.series)}, "
                   f"{human_size(c.row.bytes)}: {c.error:+.1%}" for c in misses]
     ddp = ddp_checks(results_dir, profile, cores)
     if ddp:

@@ -21,7 +21,8 @@ try:
 except ImportError as e:
     raise ImportError("redsock.torch needs PyTorch: pip install 'redsock[torch]'") from e
 
-from .registration import BACKEND_NAME, autoload, register
+from .name import BACKEND_NAME
+from .registration import autoload, register
 
 if TYPE_CHECKING:
     from .backend import Options, ProcessGroupRedsock

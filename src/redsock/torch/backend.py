@@ -59,7 +59,7 @@ from .bridge import (
     same_numel,
     sync_devices,
 )
-from .registration import BACKEND_NAME
+from .name import BACKEND_NAME
 from .work import RedsockWork, Tracker, done_future
 
 _RedOp = dist.ReduceOp.RedOpType

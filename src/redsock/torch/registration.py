@@ -15,8 +15,9 @@ import threading
 from typing import Any
 
 from ..errors import ConfigError
+from .name import BACKEND_NAME
 
-BACKEND_NAME = "redsock"
+__all__ = ["autoload", "register"]
 
 log = logging.getLogger("redsock.torch")
 _lock = threading.Lock()

@@ -4,9 +4,16 @@ Where user code runs: a Work's future runs its ``then()`` callbacks (DDP's comm 
 torch's PowerSGD, user code) when it is set, and such a callback may start another
 collective of the same group and wait for it.  So an operation that finishes on one of the
 communicator's threads opens the Work's ``wait()`` there (no user code) and sets the future
-on the Tracker's completion threads, never on a thread the nested collective needs (as gloo
+on the Tracker's delivery threads, never on a thread the nested collective needs (as gloo
 and NCCL complete theirs on threads of their own).  A synchronous call completes in the
 caller's thread, as before: that thread is the user's anyway.
+
+Which delivery thread: the futures of operations started by the program itself are set
+one after another, in the order they finish, on one thread — so callbacks that start
+collectives start them in the same order on every rank (a collective's order must agree
+across ranks).  An operation started *inside* a callback is delivered on a side thread at
+once: the callback that waits for it holds the in-order thread.  (So a callback may wait
+for collectives it starts, not for the future of a later top-level operation.)
 
 Why not ``_create_work_from_future``: in torch 2.13 the Work it returns reports
 success from ``wait()`` even when the future failed, and a Python
@@ -59,6 +66,7 @@ class RedsockWork(dist.Work):
         self._record = (torch.autograd._record_function_with_args_enter(f"redsock:{what}", *inputs)
                         if torch._C._autograd._profiler_enabled() else None)
         self._caller = threading.get_ident()
+        self.nested = getattr(_delivery, "active", False)  # started by a callback (see the module's docstring)
         # A future that holds CUDA tensors must name their devices (torch checks on completion).
         self._private = torch.futures.Future(devices=list(devices)) if devices else torch.futures.Future()
         self._future: torch.futures.Future | None = None  # made by get_future(): most Works are only waited on
@@ -158,10 +166,16 @@ class RedsockWork(dist.Work):
         ender.join()
 
 
-#: The most completion threads a process group may have.  They are made only when a Work
-#: completes while every existing one is busy in a callback: one, as a rule; one more per
-#: level of callbacks that wait for a nested collective.
-COMPLETION_THREADS = 16
+#: The most side threads (operations started inside callbacks) a process group may have.
+#: They are made only when such a Work completes while every existing one is busy in a
+#: callback: one more per level of callbacks that wait for a nested collective.
+SIDE_THREADS = 16
+
+_delivery = threading.local()  # .active: this thread runs future callbacks
+
+
+def _mark_delivery_thread() -> None:
+    _delivery.active = True
 
 
 class Tracker:
@@ -175,7 +189,10 @@ class Tracker:
         self._inflight: dict[int, RedsockWork] = {}
         self._lock = threading.Lock()
         self._coalescing: list[RedsockWork] | None = None
-        self._completer = ThreadPoolExecutor(max_workers=COMPLETION_THREADS, thread_name_prefix=f"{name}-complete")
+        self._in_order = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-deliver",
+                                            initializer=_mark_delivery_thread)
+        self._side = ThreadPoolExecutor(max_workers=SIDE_THREADS, thread_name_prefix=f"{name}-nested",
+                                        initializer=_mark_delivery_thread)
 
     def complete_when_done(self, work: RedsockWork, parts: Sequence[Future], finish: Callable[[], Any],
                            keep: Any = None) -> RedsockWork:
@@ -191,18 +208,20 @@ class Tracker:
         state = {"left": len(parts), "error": None}
         lock = threading.Lock()
 
+        deliver = self._side if work.nested else self._in_order
+
         def settle() -> None:  # on whichever communicator thread finished the last part
             with self._lock:
                 self._inflight.pop(id(work), None)
             if state["error"] is not None:
-                work._set_error(state["error"], self._completer)
+                work._set_error(state["error"], deliver)
                 return
             try:
                 value = finish()
             except BaseException as e:  # a failed copy-back must fail the Work, not vanish in a callback
-                work._set_error(e, self._completer)
+                work._set_error(e, deliver)
                 return
-            work._set_result(value, self._completer)
+            work._set_result(value, deliver)
 
         def part_done(f: Future) -> None:
             try:
@@ -239,7 +258,8 @@ class Tracker:
 
     def close(self) -> None:
         """No more completions after those under way (the process group is gone)."""
-        self._completer.shutdown(wait=False)
+        self._in_order.shutdown(wait=False)
+        self._side.shutdown(wait=False)
 
     def pending(self) -> list[RedsockWork]:
         with self._lock:

@@ -338,14 +338,15 @@ class Connection:
         view = as_bytes(buf, writable=True)
         copy_from = None
         with self._lock:
-            self._check_open("recv")
             seq = self._rx_seq[tag]
-            if only_arrived and (tag, seq) not in self._unexpected:
+            key = (tag, seq)
+            u = self._unexpected.get(key)
+            if u is None or not u.complete:  # a message that arrived whole is delivered even now
+                self._check_open("recv")
+            if only_arrived and u is None:
                 return None
             self._rx_seq[tag] = seq + 1
-            key = (tag, seq)
             h = Handle(self, "recv", tag, seq, view, inline=view.nbytes <= self.inline_bytes, check=check)
-            u = self._unexpected.get(key)
             if u is None:
                 self._posted[key] = h
                 return h
@@ -453,7 +454,9 @@ class Connection:
                        *(u.waiter for u in self._unexpected.values() if u.waiter)]
             self._posted.clear()
             self._sends = writing
-            self._unexpected.clear()
+            # Messages that arrived whole stay receivable (the peer sent them, then closed);
+            # the partial ones go, their waiters failed above.
+            self._unexpected = {k: u for k, u in self._unexpected.items() if u.complete}
             self._schedule.drain()
             self._send_cv.notify_all()
         with self._ctrl_tx_cv:

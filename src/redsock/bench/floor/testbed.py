@@ -23,7 +23,7 @@ with plain sockets on the same veths, bridge and shapers, in one run: the
 loopback fan-in (``bench floor --mode fanin``) has none of those hops.
 
 The worker and reducer processes are this module run as a script
-(``python -m redsock.bench.floor_testbed reducer|worker|fanin-reducer|fanin-worker ...``)
+(``python -m redsock.bench.floor.testbed reducer|worker|fanin-reducer|fanin-worker ...``)
 inside the hosts' namespaces.
 """
 
@@ -43,15 +43,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import ConfigError, PeerFailure
-from ..testbed import netns as nx
-from ..testbed.cluster import Testbed
-from ..testbed.netns import format_rate, parse_rate
-from . import report
-from .allreduce import B2B_ROUNDS
-from .floor import fanin_call, fanin_join, fanin_reduce, run_threads
-from .procs import box_cpu, cpu_shares
-from .testbed_launch import (GOODPUT_FACTOR, Proc, child_env, set_congestion_control, start_ranks, start_servers,
+from ...errors import ConfigError, PeerFailure
+from ...testbed import netns as nx
+from ...testbed.cluster import Testbed
+from ...testbed.netns import format_rate, parse_rate
+from .. import report
+from ..allreduce.rank import B2B_ROUNDS
+from .loopback import fanin_call, fanin_join, fanin_reduce, run_threads
+from ..procs import box_cpu, cpu_shares, no_interrupts, terminate_as_interrupt
+from ..bounds import GOODPUT_FACTOR
+from ..testbed_launch import (Proc, child_env, set_congestion_control, start_ranks, start_servers,
                              stop, tail, wait_ranks)
 
 FLOOR_PORT = 7800
@@ -198,18 +199,16 @@ def _testbed(workers: int, servers: int, rate: int, prefix: str, tcp_cc: str
              ) -> Iterator[tuple[Testbed, Path, list[Proc]]]:
     """A testbed up, a log folder and a list for the processes started in it: all of them
     stopped and the testbed torn down however the body ends (errors, Ctrl-C, SIGTERM)."""
-    from .transport_testbed import _no_interrupts, _terminate_as_interrupt
-
     tb = Testbed(workers=workers, servers=servers, rate=rate, prefix=prefix)
     procs: list[Proc] = []
-    with tempfile.TemporaryDirectory(prefix="redsock-floor-tb-") as tmp, _terminate_as_interrupt():
+    with tempfile.TemporaryDirectory(prefix="redsock-floor-tb-") as tmp, terminate_as_interrupt():
         try:
             tb.up()
             print(f"# testbed {prefix}: {workers} workers + {servers} reducers, links at {format_rate(rate)}; "
                   f"TCP {set_congestion_control(tb, tcp_cc)}", flush=True)
             yield tb, Path(tmp), procs
         finally:
-            with _no_interrupts():
+            with no_interrupts():
                 stop(procs)
                 tb.down()
 
@@ -302,7 +301,7 @@ def _plain_run(tb: Testbed, args: argparse.Namespace, logdir: Path, procs: list[
                reducers: list[tuple[str, list[str]]], workers: list[tuple[str, list[str]]]) -> list[dict]:
     """Run plain-socket reducers (this module's roles; each says "ready"), then workers (each
     writes its JSON to a path added to its arguments) on their hosts; the workers' JSON."""
-    me = [sys.executable, "-m", "redsock.bench.floor_testbed"]
+    me = [sys.executable, "-m", "redsock.bench.floor.testbed"]
     started = []
     for name, argv in reducers:
         log = logdir / f"{what}-{name}.log"

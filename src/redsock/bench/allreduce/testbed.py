@@ -15,7 +15,7 @@ Builds a :class:`~redsock.testbed.Testbed` star — workers ``w0..`` and reducer
 * relays rank 0's tables, adds a summary against the link — the link rate, its
   payload goodput (``rate x GOODPUT_FACTOR``: tc counts frame headers, the testbed
   measured 95.6 % goodput), per row the bytes one host link carries per byte of
-  buffer (:func:`~.testbed_launch.host_nic_factor`: flat ring 2(N-1)/N,
+  buffer (:func:`~redsock.bench.bounds.host_nic_factor`: flat ring 2(N-1)/N,
   hierarchical ring 2(H-1)/H, flat reducers L, hierarchical reducers 1), the algbw
   bound that gives, the share of it reached and the ratio to gloo's algbw next to
   the ideal one — plus the reducers' peak RSS and the CPU the run took;
@@ -40,97 +40,23 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import ConfigError, RedsockError
-from ..testbed import netns as nx
-from ..testbed.cluster import PROFILES, Testbed
-from ..testbed.netns import format_rate, parse_rate
-from . import report
-from .procs import BoxCpu, box_cpu, cpu_shares
-from .testbed_launch import (BUSY_LIMIT, GOODPUT_FACTOR, cpu_line, SERVER_PORT, Proc, host_nic_factor, proc_status,
+from ...errors import ConfigError, RedsockError
+from ...testbed import netns as nx
+from ...testbed.cluster import Testbed
+from ...testbed.netns import format_rate, parse_rate
+from .. import report
+from ..procs import BoxCpu, box_cpu, cpu_shares, no_interrupts, terminate_as_interrupt
+from ..bounds import GOODPUT_FACTOR, host_nic_factor, ideal_over_gloo, link_goodput_GBps
+from ..testbed_launch import (BUSY_LIMIT, SERVER_PORT, Proc, cpu_line, proc_status,
                              set_congestion_control, start_ranks, start_servers, stop, tail, tcp_counters, tcp_delta,
                              tcp_line, wait_ranks)
-
-__all__ = ["GOODPUT_FACTOR", "add_arguments", "child_argv", "run", "summary_table"]
-
-#: Options that belong to the launcher (this module and ``--nprocs``), not to the ranks.
-_LAUNCHER_DESTS = {"nprocs", "timeout", "json", "plot", "no_progress"}
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("emulated cluster (--testbed; needs root)")
-    g.add_argument("--testbed", action="store_true",
-                   help="run every rank in its own network namespace with shaped links, "
-                        "and one reduction server per reducer host (--timeout bounds the whole run)")
-    g.add_argument("--workers", type=int, default=4,
-                   help="with --testbed: worker hosts (default 4); ranks = workers x --ranks-per-host")
-    g.add_argument("--ranks-per-host", type=int, default=1, metavar="L",
-                   help="with --testbed: ranks on every worker host, consecutive as torchrun numbers them "
-                        "(default 1)")
-    g.add_argument("--servers", type=int, help="with --testbed: reducer hosts (default: as many as workers)")
-    g.add_argument("--rate", default="2gbit", help="with --testbed: link rate each way, e.g. 2gbit, 800mbit")
-    g.add_argument("--profile", default="uniform", choices=PROFILES,
-                   help="with --testbed: uniform | perflow | slow-server (reducer s0 at rate/2)")
-    g.add_argument("--prefix", help="with --testbed: namespace prefix (default rsar<pid>)")
-    g.add_argument("--tcp-cc", metavar="NAME", default="reno",
-                   help="with --testbed: TCP congestion control in every host namespace (default reno: "
-                        "loss-based like Linux's usual cubic, which this kernel may not offer; BBR through "
-                        "tbf links with no propagation delay drops heavily with many flows)")
-
-
-def _testbed_dests() -> set[str]:
-    p = argparse.ArgumentParser(add_help=False)
-    add_arguments(p)
-    return {a.dest for a in p._actions}
-
-
-def child_argv(args: argparse.Namespace, json_path: str | None) -> list[str]:
-    """The ``redsock bench allreduce ...`` argv each rank runs: every bench option that
-    differs from its default, none of the launcher's, ``--json json_path``, no progress bar.
-
-    Built from the parser itself (``allreduce.add_arguments``), so options added there
-    later travel too, and abbreviations on the command line cannot slip through.
-    """
-    from . import allreduce
-
-    parser = argparse.ArgumentParser(add_help=False)
-    allreduce.add_arguments(parser)
-    skip = _testbed_dests() | _LAUNCHER_DESTS
-    out = ["bench", "allreduce"]
-    for action in parser._actions:
-        if action.dest in skip or not action.option_strings or not hasattr(args, action.dest):
-            continue
-        value = getattr(args, action.dest)
-        if value == action.default:
-            continue
-        opt = max(action.option_strings, key=len)  # the long form
-        if isinstance(action, argparse._StoreTrueAction):
-            out.append(opt)
-        elif isinstance(action, argparse._StoreFalseAction):
-            out.append(opt)
-        elif isinstance(action, argparse._StoreAction) and value is not None:
-            out += [opt, str(value)]
-        elif value is not None:
-            raise ConfigError(f"--testbed cannot forward option {opt} ({type(action).__name__})")
-    out.append("--no-progress")
-    if json_path:
-        out += ["--json", json_path]
-    return out
-
+from .options import child_argv
 
 # -- the summary -------------------------------------------------------------------
 
-def ideal_over_gloo(algo: str, world: int, hosts: int | None = None, scheme: str = "flat") -> float | None:
-    """algbw ratio against gloo's flat ring when both are link-bound: the ratio of the bytes
-    their host links carry (:func:`host_nic_factor`; ``hosts`` defaults to one rank per host)."""
-    hosts = world if hosts is None else hosts
-    mine = host_nic_factor(algo, world, hosts, scheme)
-    gloo = host_nic_factor("gloo", world, hosts)
-    return gloo / mine if mine and gloo else None
-
-
 def row_route(r: report.Row) -> tuple[str, str]:
     """(algorithm between hosts, scheme) of a row, as its rank recorded it (see
-    ``allreduce.route``); gloo runs a flat ring, a row that records nothing its own algo, flat."""
+    :func:`.rank.route`); gloo runs a flat ring, a row that records nothing its own algo, flat."""
     if r.algo == "gloo":
         return "gloo", "flat"
     return r.extra.get("inter", r.algo), r.extra.get("scheme", "flat")
@@ -139,7 +65,7 @@ def row_route(r: report.Row) -> tuple[str, str]:
 def summary_table(rows: Sequence[report.Row], rate_bps: int, workers: int, servers: int,
                   profile: str, ranks_per_host: int = 1) -> str:
     """Per size, each algorithm's algbw against its link bound and against gloo's."""
-    goodput = rate_bps * GOODPUT_FACTOR / 8 / 1e9  # GB/s of payload one link direction carries
+    goodput = link_goodput_GBps(rate_bps)  # GB/s of payload one link direction carries
     ranks = f" x {ranks_per_host} ranks (N={workers * ranks_per_host})" if ranks_per_host > 1 else ""
     out = [f"# testbed: {workers} workers{ranks}, {servers} reducers, {profile} links at {format_rate(rate_bps)} "
            f"each way; link goodput = {format_rate(rate_bps)} x {GOODPUT_FACTOR} = {goodput:.4f} GB/s",
@@ -226,8 +152,6 @@ def reducer_cpu_line(servers: list[Proc], before: dict[str, dict[str, int]],
 
 def run(args: argparse.Namespace) -> int:
     """Build the testbed, run the ranks and reducers in it, report; always tear down."""
-    from .transport_testbed import _no_interrupts, _terminate_as_interrupt
-
     if args.nprocs:
         raise ConfigError("--testbed starts --ranks-per-host ranks on each of --workers hosts: drop --nprocs")
     if args.ranks_per_host < 1:
@@ -244,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     tb = Testbed(workers=args.workers, servers=servers, rate=rate, profile=args.profile, prefix=prefix)
     deadline = time.monotonic() + args.timeout
     rc = 1
-    with tempfile.TemporaryDirectory(prefix="redsock-bench-tb-") as tmp, _terminate_as_interrupt():
+    with tempfile.TemporaryDirectory(prefix="redsock-bench-tb-") as tmp, terminate_as_interrupt():
         logdir = Path(tmp)
         json_path = logdir / "rows.jsonl"
         argv = child_argv(args, str(json_path))
@@ -282,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
             print(links)
             print(reducer_cpu_line(server_procs, links0, links1))
         finally:
-            with _no_interrupts():
+            with no_interrupts():
                 stop(ranks + server_procs)
                 tb.down()
     return rc

@@ -1,24 +1,4 @@
-"""``redsock bench floor``: what this machine's kernel allows, next to gloo in the same processes.
-
-Plain blocking sockets, no arithmetic beyond a check: a lower bound for any TCP
-collective on this machine, measured so that a target can be judged against
-what the hardware does rather than against what an implementation does.
-
-* ``ring`` (N local ranks, loopback): every rank streams 2(N-1)/N x S bytes to
-  the next rank while it receives as much from the previous one — the traffic
-  of a bandwidth-optimal all-reduce of S bytes (no all-reduce moves less per
-  rank) — with no reductions and no step waiting for the one before.  gloo's
-  all-reduce of S bytes (float32 sum) is timed in the same processes,
-  alternating with it, so "floor busbw / gloo busbw" is the most any TCP
-  all-reduce can gain over gloo here; redsock's ring all-reduce (checked) is
-  timed in the same rotation.
-* ``fanin`` (N workers and one reducer process, loopback): the reduction
-  server's small-message pattern — every worker sends 8 bytes to the reducer,
-  which sums them and sends the sum back to every worker (checked).  The median
-  round time for each N shows how per-message CPU grows with N when all the
-  processes share this machine's cores; gloo's 8-byte all-reduce among the
-  same workers is timed alongside.
-"""
+"""``redsock bench floor`` on loopback: the ring and fan-in floors among local processes."""
 
 from __future__ import annotations
 
@@ -34,9 +14,9 @@ from datetime import timedelta
 
 import numpy as np
 
-from ..config import parse_size
-from ..errors import ConfigError, PeerFailure
-from .report import human_size
+from ...config import parse_size
+from ...errors import ConfigError, PeerFailure
+from ..report import human_size
 
 _CONNECT_S = 180.0  # 9 processes importing torch on 2 cores take a while
 _IO_TIMEOUT_S = 120.0
@@ -105,7 +85,7 @@ def _ring_rank(rank: int, world: int, sizes: list[int], warmup: int, iters: int,
     from_prev.settimeout(_IO_TIMEOUT_S)
     srv.close()
     dist = _gloo(rank, world, gloo_port)
-    from .. import api  # here: the rank processes need it, the CLI parsing does not
+    from ... import api  # here: the rank processes need it, the CLI parsing does not
 
     store = torch.distributed.TCPStore("127.0.0.1", store_port, world, rank == 0, timedelta(seconds=_CONNECT_S))
     comm = api.init(rank, world, store, algo="ring")
@@ -329,41 +309,7 @@ def _run_all(procs, out, n: int, timeout_s: float = 600.0) -> dict:
     return got
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=["ring", "fanin", "both"], default="both",
-                   help="ring: bulk traffic (with --testbed: the reducers' bulk traffic); fanin: 8-byte fan-in to "
-                        "one reducer (with --testbed: next to redsock's reducers and gloo on the same hosts); "
-                        "both (default)")
-    p.add_argument("--nprocs", type=int, default=4, help="ring: local ranks (default 4)")
-    p.add_argument("--sizes", default="1M,64M", help="ring: message sizes (default 1M,64M)")
-    p.add_argument("--workers", default="2,4,8", help="fanin: worker counts (default 2,4,8)")
-    p.add_argument("--iters", type=int, default=10, help="timed iterations (fanin: x100)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--json", metavar="FILE", help="write the results as a JSON list")
-    g = p.add_argument_group("emulated cluster (root)")
-    g.add_argument("--testbed", action="store_true",
-                   help="instead: the reduction servers' traffic with plain sockets on shaped links, then gloo on "
-                        "the same testbed: bulk (--nprocs worker hosts, --servers reducer hosts) and fan-in (per "
-                        "--workers count N, N worker hosts and --servers reducer hosts, default N)")
-    g.add_argument("--servers", type=int, help="with --testbed: reducer hosts (default: as many as the worker hosts)")
-    g.add_argument("--rate", default="1gbit", help="with --testbed: link rate each way (default 1gbit)")
-    g.add_argument("--tcp-cc", metavar="NAME", default="reno", help="with --testbed: TCP congestion control")
-    g.add_argument("--prefix", help="with --testbed: namespace prefix (default rsfl<pid>; the fan-in adds n<N> to it)")
-    g.add_argument("--timeout", type=float, default=600, help="with --testbed: per run, seconds (default 600)")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-        workers = [int(w) for w in args.workers.split(",") if w.strip()]
-    except ValueError as e:
-        raise ConfigError(f"bad --sizes or --workers value: {e}") from None
-    if args.nprocs < 2 or args.iters < 1 or args.warmup < 0 or any(w < 1 for w in workers) or not sizes:
-        raise ConfigError("--nprocs >= 2, --iters >= 1, --warmup >= 0, workers >= 1 and one size at least")
-    if args.testbed:
-        from . import floor_testbed
-
-        return floor_testbed.run(args, sizes, workers)
+def run_loopback(args: argparse.Namespace, sizes: list[int], workers: list[int]) -> int:
     results: list[dict] = []
     if args.mode in ("ring", "both"):
         print(f"# ring floor: {args.nprocs} ranks on loopback stream 2(N-1)/N x size each way with plain "

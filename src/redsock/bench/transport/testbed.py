@@ -41,7 +41,7 @@ runs dry early idles while slower ones finish).  Per class, the bytes tc
 really sent (from ``tc -s class show``).
 
 The driver is also a command of its own (``python -m
-redsock.bench.transport_testbed drive --connect HOST:PORT ...``), which is
+redsock.bench.transport.testbed drive --connect HOST:PORT ...``), which is
 what runs inside namespace ``a``.
 
 Notes on the transport found while building this (see the issue's report):
@@ -77,14 +77,14 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ..config import Config, parse_hostport, parse_size
-from ..errors import ConfigError, RedsockError
-from ..testbed import netns as nx
-from ..testbed.cluster import PairTestbed
-from ..testbed.netns import parse_rate, path_class
-from .procs import box_cpu, cpu_shares
-from .testbed_launch import GOODPUT_FACTOR
-from .transport import (
+from ...config import Config, parse_hostport, parse_size
+from ...errors import ConfigError, RedsockError
+from ...testbed import netns as nx
+from ...testbed.cluster import PairTestbed
+from ...testbed.netns import parse_rate, path_class
+from ..procs import box_cpu, cpu_shares, no_interrupts, terminate_as_interrupt
+from ..bounds import GOODPUT_FACTOR
+from .session import (
     ACK_TAG, DATA_TAG, PLAN_BYTES, PLAN_TAG, TransportRow, _cases, _human, _many, _PlainConn, open_session,
 )
 
@@ -194,7 +194,7 @@ class _Sampler:
 
 
 def drive_with_stats(conn: Any, cases: list[dict]) -> list[dict]:
-    """The protocol of :func:`redsock.bench.transport.drive`, plus per-rep per-stream statistics."""
+    """The protocol of :func:`.session.drive`, plus per-rep per-stream statistics."""
     plan = json.dumps({"cases": cases}).encode()
     if len(plan) > PLAN_BYTES:
         raise ConfigError("too many benchmark cases for one plan")
@@ -286,7 +286,7 @@ def run_drive(addr: tuple[str, int], impl: str, config: Config, sizes: list[int]
 
 
 def _drive_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m redsock.bench.transport_testbed drive",
+    p = argparse.ArgumentParser(prog="python -m redsock.bench.transport.testbed drive",
                                 description="driver side of the testbed benchmark (JSON rows on stdout)")
     p.add_argument("--connect", required=True, metavar="HOST:PORT")
     p.add_argument("--impl", default="redsock", choices=["redsock", "plain"])
@@ -324,7 +324,7 @@ class RunSpec:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``--testbed`` (the option itself is in the side group of transport.py)."""
+    """Options of ``--testbed`` (the option itself is in the side group of the package's parser)."""
     g = p.add_argument_group(
         "--testbed (emulated per-flow path imbalance; needs root)",
         "With --testbed PROFILE (perflow), --sizes defaults to 256M and both balances run "
@@ -381,42 +381,6 @@ def plan_runs(args: argparse.Namespace, config: Config, nclasses: int,
     return runs
 
 
-@contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM/SIGHUP raise KeyboardInterrupt, so the testbed's ``finally`` runs for them too."""
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
-    in_main = threading.current_thread() is threading.main_thread()
-    if in_main:
-        for s in old:
-            signal.signal(s, handler)
-    try:
-        yield
-    finally:
-        if in_main:
-            for s, h in old.items():
-                signal.signal(s, h)
-
-
-@contextmanager
-def _no_interrupts() -> Iterator[None]:
-    """Hold off Ctrl-C / SIGTERM while tearing down, so a second one cannot leave namespaces."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    old = {s: signal.getsignal(s) for s in sigs}
-    for s in sigs:
-        signal.signal(s, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 _CLASS_RE = re.compile(r"^class htb 1:([0-9a-f]+) .*?\n\s*Sent (\d+) bytes (\d+) pkt \(dropped (\d+)",
                        re.M | re.S)
 
@@ -470,7 +434,7 @@ def _drive_in_a(tb: PairTestbed, spec: RunSpec, want: list[int] | None, config: 
            "REDSOCK_NOTSENT_LOWAT": str(config.notsent_lowat)}
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    argv = [sys.executable, "-m", "redsock.bench.transport_testbed", "drive",
+    argv = [sys.executable, "-m", "redsock.bench.transport.testbed", "drive",
             "--connect", f"{tb.host_addr('b')}:{LISTEN_PORT}", "--impl", spec.impl,
             "--sizes", args.sizes, "--iters", str(args.iters), "--reps", str(args.reps),
             "--nclasses", str(nclasses), "--shift", str(tb.shift),
@@ -631,7 +595,7 @@ def run_testbed(tb: PairTestbed, runs: list[RunSpec], config: Config, args: argp
     """Bring ``tb`` up, serve in b, drive each run from a; always tear down (also on signals)."""
     rows: list[TransportRow] = []
     landed: dict[str, list[int]] = {}
-    with _terminate_as_interrupt(), tempfile.NamedTemporaryFile("w+", prefix="redsock-listener-",
+    with terminate_as_interrupt(), tempfile.NamedTemporaryFile("w+", prefix="redsock-listener-",
                                                                 suffix=".log") as log:
         try:
             tb.up()
@@ -644,7 +608,7 @@ def run_testbed(tb: PairTestbed, runs: list[RunSpec], config: Config, args: argp
                                                 for p in got[0].extra["src_ports"])
                 rows.extend(got)
         finally:
-            with _no_interrupts():
+            with no_interrupts():
                 tb.down()
     return rows
 
@@ -656,5 +620,5 @@ if __name__ == "__main__":
         except RedsockError as e:
             print(f"redsock bench driver: error: {e}", file=sys.stderr)
             raise SystemExit(2)
-    print("usage: python -m redsock.bench.transport_testbed drive --connect HOST:PORT ...", file=sys.stderr)
+    print("usage: python -m redsock.bench.transport.testbed drive --connect HOST:PORT ...", file=sys.stderr)
     raise SystemExit(2)

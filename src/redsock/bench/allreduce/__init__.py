@@ -1,0 +1,53 @@
+"""``redsock bench allreduce``: an nccl-tests-style sweep, redsock against gloo in the same run.
+
+Run once per rank with the torchrun environment, under ``torchrun``, or with
+``--nprocs N`` to start N local ranks.  Every algorithm named in ``--algo`` is
+measured on the same ranks, one size at a time, so ratios compare like with
+like on a noisy machine.  Rank 0 prints the tables; ``--check`` validates every
+result against a float64 numpy reference and across ranks (bitwise).
+
+The package: :mod:`.options` (one parser for every mode), :mod:`.rank` (the runner
+every rank runs, whichever launcher started it), :mod:`.inputs` (inputs and float64
+references), and two launchers, :mod:`.local` (``--nprocs``) and :mod:`.testbed`
+(``--testbed``: one rank per namespace of an emulated cluster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ...errors import ConfigError, RedsockError
+from .inputs import count_wrong, make_input, reference, reference_of, timing_input
+from .options import add_arguments
+
+__all__ = ["add_arguments", "count_wrong", "make_input", "reference", "reference_of", "run", "timing_input"]
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "testbed", False):
+        from . import testbed
+
+        return testbed.run(args)  # one rank per namespace of an emulated cluster
+    from .rank import run_rank, sweep
+
+    if args.nprocs is not None:
+        from .local import launch_local, strip_options
+
+        if args.nprocs < 1:
+            raise ConfigError("--nprocs must be >= 1")
+        sweep(args)
+        argv = [a for a in sys.argv[1:]]
+        # Re-run this same command in each rank, minus the launcher's own options.
+        child = strip_options(argv, {"--nprocs": 1, "--timeout": 1})
+        return launch_local(args.nprocs, child, args.timeout)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ConfigError("set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun does), or pass --nprocs N")
+    try:
+        return run_rank(args)
+    except RedsockError as e:
+        who = f"rank {os.environ.get('RANK')}: "
+        text = str(e)  # a failed collective's message names its rank already
+        print(f"redsock: {text if text.startswith(who) else who + text}", file=sys.stderr)
+        return 2

@@ -1,0 +1,252 @@
+"""One rank of ``redsock bench allreduce``: the runner both modes share.
+
+Started by the local launcher (``--nprocs``, :mod:`.local`), by torchrun, or in a testbed
+host (``--testbed``, :mod:`.testbed`); it times every algorithm of ``--algo`` on the same
+ranks, one size at a time, and rank 0 prints the tables and writes :class:`~redsock.bench.report.Row`
+objects, the one result type of every mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+from ... import ops
+from ...config import parse_size
+from ...errors import ConfigError
+from ..procs import BoxCpu, box_cpu, cpu_shares
+from .inputs import count_wrong, make_input, reference, timing_input
+
+REDSOCK_ALGOS = ("auto", "ring", "small", "server", "hier")
+CHECK_BLOCK = 1 << 22  # elements checked at a time
+
+
+class _Gloo:
+    """gloo through torch.distributed on the same ranks (the peer measured side by side)."""
+
+    def __init__(self, store: Any, rank: int, world: int, timeout_s: float):
+        import datetime
+
+        import torch.distributed as dist
+
+        self.dist = dist
+        dist.init_process_group("gloo", store=dist.PrefixStore("bench-gloo", store), rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+    def all_reduce(self, x: np.ndarray, op: ops.ReduceOp) -> None:
+        import torch
+
+        if op is ops.ReduceOp.AVG:
+            raise ConfigError("gloo has no avg")
+        t = _as_tensor(x)
+        rop = {ops.ReduceOp.SUM: self.dist.ReduceOp.SUM, ops.ReduceOp.MIN: self.dist.ReduceOp.MIN,
+               ops.ReduceOp.MAX: self.dist.ReduceOp.MAX, ops.ReduceOp.PROD: self.dist.ReduceOp.PRODUCT}[op]
+        self.dist.all_reduce(t, op=rop)
+        del torch
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+
+
+def _as_tensor(x: np.ndarray):
+    import torch
+
+    if x.dtype == ops.bfloat16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+def _time_algo(fn, x: np.ndarray, warmup: int, iters: int, comm, back_to_back: bool = False) -> list[float]:
+    for _ in range(warmup):
+        fn(x)
+    comm.barrier()
+    if back_to_back:
+        return _time_back_to_back(fn, x, iters, comm)
+    times = np.empty(iters)
+    for i in range(iters):
+        t0 = time.perf_counter()
+        fn(x)
+        times[i] = time.perf_counter() - t0
+    comm.all_reduce(times, "max", algorithm="small" if times.nbytes <= 65536 else "ring")  # the slowest rank counts
+    return times.tolist()
+
+
+B2B_ROUNDS = 3
+
+
+def _time_back_to_back(fn, x: np.ndarray, iters: int, comm) -> list[float]:
+    """Time per call of ``iters`` back-to-back calls (the slowest rank's total), once per
+    round after a barrier, as MPI benchmarks time latency: a rank that waits in one call
+    for a rank the scheduler paused is not counted twice over, as per-call maxima would."""
+    per_call = np.empty(B2B_ROUNDS)
+    for k in range(B2B_ROUNDS):
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn(x)
+        per_call[k] = (time.perf_counter() - t0) / iters
+    comm.all_reduce(per_call, "max", algorithm="small")
+    return per_call.tolist()
+
+
+def _ranks_busy(comm, cpu_s: float, wall_s: float) -> float:
+    """The share of this machine's cores the ranks used while one row was timed (all ranks'
+    CPU over the slowest one's wall time): a row whose ranks alone keep the cores busy
+    measures the CPU, not the network (``plan --lab`` classes it so)."""
+    both = np.array([cpu_s, wall_s])
+    comm.all_reduce(both[:1], "sum", algorithm="small")
+    comm.all_reduce(both[1:], "max", algorithm="small")
+    return round(float(both[0] / max(both[1], 1e-9) / (os.cpu_count() or 1)), 3)
+
+
+def _machine_shares(comm, before: BoxCpu, after: BoxCpu) -> tuple[float, float]:
+    """The shares of the whole machine's cores busy, and stolen by the hypervisor, while one
+    row was timed (rank 0's reading of /proc/stat, on every rank): unlike ``ranks_busy`` it
+    counts the reducers, the kernel's network work and anything else running."""
+    shares = np.array(cpu_shares(before, after))
+    comm.broadcast(shares, 0)
+    return round(float(shares[0]), 3), round(float(shares[1]), 3)
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    from ... import api
+    from ...bootstrap import store_from_env
+    from .. import report
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = float(os.environ.get("REDSOCK_TIMEOUT_S", "120"))
+    store = store_from_env(rank, world, timeout)
+    comm = api.init(rank, world, store)
+    dtype, op, algos, sizes = sweep(args)
+    gloo = _Gloo(store, rank, world, timeout) if "gloo" in algos else None
+    rows = []
+    progress = SweepProgress(rank == 0 and not args.no_progress, len(sizes) * len(algos))
+    try:
+        for nbytes in sizes:
+            count = nbytes // dtype.itemsize
+            for algo in algos:
+                if algo == "gloo":
+                    if op is ops.ReduceOp.AVG:
+                        continue
+                    fn = lambda x: gloo.all_reduce(x, op)  # noqa: E731
+                else:
+                    fn = lambda x, algo=algo: comm.all_reduce(x, op, algorithm=None if algo == "auto" else algo)  # noqa: E731
+                x = timing_input(count, dtype, op, rank)
+                warm, iters = _iters_for(nbytes, args)
+                cpu0, wall0, box0 = time.process_time(), time.perf_counter(), box_cpu()
+                times = _time_algo(fn, x, warm, iters, comm, args.back_to_back)
+                busy = _ranks_busy(comm, time.process_time() - cpu0, time.perf_counter() - wall0)
+                machine, steal = _machine_shares(comm, box0, box_cpu())
+                wrong = _check(fn, count, dtype, op, rank, world, comm) if args.check else -1
+                extra = route(comm, nbytes, algo) if algo != "gloo" else {"scheme": "flat", "inter": "ring"}
+                extra["ranks_busy"] = busy
+                extra["machine_busy"] = machine
+                extra["machine_steal"] = steal
+                rows.append(report.Row.from_times("gloo" if algo == "gloo" else "redsock", algo, world, nbytes,
+                                                  count, dtype.name, op.name.lower(), times, wrong, extra=extra))
+                progress.advance(f"{algo} {nbytes} B")
+    finally:
+        progress.close()
+        if gloo is not None:
+            gloo.close()
+        comm.close()
+    if rank == 0:
+        print(report.format_table(rows))
+        if len({r.algo for r in rows}) > 1 and any(r.algo == "gloo" for r in rows):
+            print(report.compare_table(rows, baseline_algo="gloo"))
+        if args.json:
+            report.write_json(rows, args.json)
+        if args.plot:
+            report.plot(rows, args.plot)
+        wrong = sum(max(r.wrong, 0) for r in rows)
+        if args.check:
+            print(f"# check: {wrong} wrong elements over {len(rows)} rows")
+        return 1 if wrong else 0
+    return 0
+
+
+def route(comm, nbytes: int, algo: str) -> dict[str, str]:
+    """How ``comm`` runs an all-reduce of ``nbytes`` asked as ``algo``: ``scheme`` "flat" (every
+    rank on the network on its own) or "hierarchical" (reduced inside each host first), and
+    ``inter``, the algorithm between hosts (for a hierarchical one, its inter-host group's
+    choice for one shard; "none" when no host link is crossed).  The benchmarks' bounds
+    follow from it."""
+    chosen = comm.choose_algorithm(nbytes, None if algo == "auto" else algo)
+    if chosen != "hier":
+        return {"scheme": "flat", "inter": chosen}
+    return {"scheme": "hierarchical", "inter": comm.hier.inter_algorithm(nbytes)}
+
+
+def _check(fn, count: int, dtype: np.dtype, op: ops.ReduceOp, rank: int, world: int, comm) -> int:
+    """Wrong elements on any rank (vs the float64 reference), plus every element if ranks differ."""
+    seed = 1
+    x = make_input(count, dtype, op, rank, seed)
+    fn(x)
+    # In blocks: float64 references of a whole 256 MiB buffer take several GB per rank.
+    wrong = sum(count_wrong(x[lo:lo + CHECK_BLOCK], reference(min(CHECK_BLOCK, count - lo), dtype, op, world, seed, lo))
+                for lo in range(0, count, CHECK_BLOCK))
+    digest = zlib.crc32(x.tobytes())
+    stats = np.array([wrong, digest, -digest], dtype=np.int64)
+    comm.all_reduce(stats[:1], "sum")
+    comm.all_reduce(stats[1:], "max")
+    identical = stats[1] == -stats[2]  # max == min of the digests
+    return int(stats[0]) + (0 if identical else count)
+
+
+def sweep(args: argparse.Namespace) -> tuple[np.dtype, ops.ReduceOp, list[str], list[int]]:
+    """The dtype, op, algorithms and sizes the command asks for, or a ConfigError saying what
+    is wrong (checked by the launcher too, so that a bad option is one message, not one per rank)."""
+    dtype = ops.dtype_from_name(args.dtype)
+    op = ops.ReduceOp.parse(args.op)
+    algos = [a.strip() for a in args.algo.split(",") if a.strip()]
+    for a in algos:
+        if a not in REDSOCK_ALGOS + ("gloo",):
+            raise ConfigError(f"unknown --algo {a!r}; choose from {', '.join(REDSOCK_ALGOS + ('gloo',))}")
+    if args.iters < 1 or args.warmup < 0:
+        raise ConfigError(f"need -n >= 1 and -w >= 0, got -n {args.iters} -w {args.warmup}")
+    return dtype, op, algos, _sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor,
+                                    dtype.itemsize)
+
+
+def _sizes(lo: int, hi: int, factor: int, itemsize: int) -> list[int]:
+    if lo > hi or factor < 2:
+        raise ConfigError("need -b <= -e and -f >= 2")
+    out, n = [], max(lo, itemsize)
+    while n <= hi:
+        out.append(n - n % itemsize)
+        n *= factor
+    return out
+
+
+def _iters_for(nbytes: int, args: argparse.Namespace) -> tuple[int, int]:
+    """Fewer iterations for huge sizes so a sweep stays bounded (nccl-tests' -n/-w as upper bounds)."""
+    if nbytes >= 64 << 20:
+        return max(1, min(args.warmup, 2)), max(3, min(args.iters, 8))
+    return args.warmup, args.iters
+
+
+class SweepProgress:
+    def __init__(self, enabled: bool, total: int):
+        self.bar = None
+        if enabled and total > 1:
+            try:
+                from rich.progress import Progress
+
+                self.bar = Progress(transient=True)
+                self.bar.start()
+                self.task = self.bar.add_task("all-reduce sweep", total=total)
+            except ImportError:
+                self.bar = None
+
+    def advance(self, what: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, description=what)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

@@ -127,19 +127,19 @@ def test_cpu_shares_count_steal_as_busy_and_show_it_apart():
 def test_peer_mpi_puts_open_mpis_time_beside_redsocks(tmp_path):
     """4 local ranks, then Open MPI's shared-memory all-reduce on the same sizes: one line per
     size with both times (redsock's as its JSON row says), their ratio, the in-host path
-    (the whole buffer when small, one copy each way by cross-memory attach when large) and
+    (the whole buffer up to 128 KiB for 4 ranks, then one copy each way by cross-memory attach) and
     the machine's busy share while each was timed."""
     out = tmp_path / "rows.jsonl"
     r = subprocess.run([sys.executable, "-m", "redsock", "bench", "allreduce", "--nprocs", "4", "-b", "8", "-e", "1M",
-                        "-f", "128", "--algo", "auto", "--back-to-back", "-n", "20", "-w", "2", "--no-progress",
+                        "-f", "256", "--algo", "auto", "--back-to-back", "-n", "20", "-w", "2", "--no-progress",
                         "--peer", "mpi", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {row["bytes"]: row for row in map(json.loads, out.read_text().splitlines())}
     table = r.stdout.split("redsock against Open MPI shared memory")[1].split("\n", 1)[1]
     lines = [line.split() for line in table.splitlines() if line and not line.startswith("#")]
-    assert [int(cells[0]) for cells in lines] == [8, 1024, 131072] == sorted(rows)
+    assert [int(cells[0]) for cells in lines] == [8, 2048, 524288] == sorted(rows)
     for size, ours, mpi, ratio, path, *busy in lines:
         assert float(ours) == pytest.approx(rows[int(size)]["median_s"] * 1e6, abs=0.06)
         assert float(ratio[:-1]) == pytest.approx(float(ours) / float(mpi), rel=0.01, abs=0.006)
-        assert path == rows[int(size)]["extra"]["path"] == ("cma" if int(size) > 65536 else "whole")
+        assert path == rows[int(size)]["extra"]["path"] == ("cma" if int(size) > 131072 else "whole")
         assert all(0 <= float(b.strip("%,")) <= 100 for b in busy)

@@ -56,9 +56,17 @@ LOCAL_PIECE_BYTES = 1 * MiB
 #: throughout took 1.485 s, but cost the reducers 6.7 CPU-s/GiB instead of 5.3, and 1 MiB
 #: pieces at 300 Mbit/s fell from 1.5x to 1.2x gloo.
 PIPELINE_RAMP = 8
-#: Up to this size a single-host all-reduce has every rank reduce the whole buffer (one
-#: synchronisation instead of two), and a multi-host one sends a single shard between hosts.
+#: Up to this size a multi-host all-reduce sends a single shard between hosts.
 WHOLE_MAX_BYTES = 64 * KiB
+#: A single-host all-reduce has every rank reduce the whole buffer from the arena (one
+#: synchronisation) while the L rows it reads, L x the buffer, fit in half the L2 cache (1 MiB
+#: per core here); larger ones are sharded (two synchronisations, :meth:`Hierarchy._all_reduce_direct`).
+#: 4 ranks on 2 cores shared with other jobs (load 14-18), 100 back-to-back calls, 3 alternating
+#: rounds, whole / sharded by cross-memory attach: 64 KiB 131-658 / 866-3695 us, 128 KiB
+#: 915-1655 / 916-5417 us, 256 KiB 913-2295 / 878-7089 us, 1 MiB 4514-5534 / 6938-10747 us
+#: (a second sync costs most where the cores are oversubscribed, and the whole buffer's
+#: reduction once its rows leave the cache).
+WHOLE_ROWS_BYTES = 512 * KiB
 #: Pieces of a cross-memory-attach all-reduce: the L - 1 peers' pieces, the result and the
 #: accumulator stay in the L2 cache (1 MiB per core here).
 CMA_PIECE_BYTES = 128 * KiB
@@ -107,6 +115,9 @@ class Hierarchy:
         except BaseException:
             self.local.close()
             raise
+        #: Up to this size every rank reduces the whole buffer (:data:`WHOLE_ROWS_BYTES`).
+        self.whole_max_bytes = WHOLE_MAX_BYTES if self.nhosts > 1 else max(WHOLE_MAX_BYTES,
+                                                                            WHOLE_ROWS_BYTES // self.local.size)
         self._whole: dict[tuple[np.dtype, int, ops.ReduceOp], _Whole] = {}  # all_reduce_here's, by call shape
         self._tickets = itertools.count()
         self._next = 0
@@ -159,7 +170,7 @@ class Hierarchy:
     # -- collectives ----------------------------------------------------------------------
 
     def all_reduce(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
-        if x.nbytes <= WHOLE_MAX_BYTES:  # (every local rank decides alike)
+        if x.nbytes <= self.whole_max_bytes:  # (every local rank decides alike)
             self._all_reduce_whole(ctx, x, op)
         elif self.nhosts > 1:
             self._all_reduce_pipelined(ctx, x, op)
@@ -172,13 +183,13 @@ class Hierarchy:
         """How an all-reduce of ``nbytes`` moves data inside this host: "whole" (every rank
         reduces all of it from the arena), "cma" (one copy each way, straight between the
         ranks' buffers) or "arena" (sharded, through the arena)."""
-        if nbytes <= WHOLE_MAX_BYTES:
+        if nbytes <= self.whole_max_bytes:
             return "whole"
         return "cma" if self.nhosts == 1 and self.local.cma else "arena"
 
     def runs_here(self, nbytes: int) -> bool:
         """Whether a synchronous all-reduce of ``nbytes`` can be :meth:`all_reduce_here`."""
-        return self.nhosts == 1 and nbytes <= WHOLE_MAX_BYTES
+        return self.nhosts == 1 and nbytes <= self.whole_max_bytes
 
     def all_reduce_here(self, ticket: int, x: np.ndarray, op: ops.ReduceOp, seq: int, timeout_s: float) -> None:
         """A small all-reduce on one host in the caller's thread, without a call context

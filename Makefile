@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test compat bench-transport reproduce clean
+.PHONY: setup demo test compat bench-transport reproduce faults clean
 
 setup: $(STAMP)
 
@@ -35,3 +35,7 @@ reproduce: setup
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+
+# The whole fault matrix of issue 38 (root, about 10 minutes on 2 cores): every cell as expected.
+faults: setup
+	REDSOCK_FAULTS_FULL=1 $(PY) -m pytest -q -s tests/test_faults.py

@@ -267,6 +267,17 @@ def server_fallback(comm, rank, world):
     print(f"done {i} all-reduces", flush=True)
 
 
+def server_unreachable_loop(comm, rank, world):
+    """TEST_CALLS all-reduces through a reducer that never answers, with the ring fallback:
+    every result right; prints how long they took."""
+    t0 = time.monotonic()
+    for i in range(int(os.environ["TEST_CALLS"])):
+        x = np.full(1 << 16, rank + i, np.float32)
+        comm.all_reduce(x, algorithm="server")
+        assert np.all(x == sum(r + i for r in range(world))), i
+    print(f"calls took {time.monotonic() - t0:.2f}s", flush=True)
+
+
 def ring_loop(comm, rank, world):
     """All-reduce until the test stops (SIGSTOP) a rank: the others must raise, naming it."""
     x = np.ones(1 << 20, np.float32)

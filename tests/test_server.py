@@ -14,13 +14,13 @@ import urllib.request
 import numpy as np
 import pytest
 
-from redsock import ops
+from redsock import ops, wire
 from redsock.bench.procs import stop_processes
-from redsock.collectives.server_client import FALLBACK_WARNING_S, piece_elements
+from redsock.collectives.server_client import FALLBACK_WARNING_S, ServerGroup, piece_elements
 from redsock.config import Config
 from redsock.errors import ConfigError, TransportError
 from redsock.server import ReductionServer
-from redsock.server.aggregate import BufferPool, Piece
+from redsock.server.aggregate import BufferPool, Piece, Round
 from redsock.transport import connect
 from test_collectives import digests, run_world
 
@@ -167,6 +167,96 @@ def test_piece_sums_borrowed_and_pooled_contributions(ordered, dtype, borrowed_f
         x = data[r].astype(ops.accum_dtype(dtype))
         acc = x if acc is None else acc + x
     assert result.view(dtype).tobytes() == acc.astype(dtype).tobytes()
+
+
+def test_a_stalled_round_names_the_rank_that_is_behind_not_those_waiting_for_credits():
+    """Rank 1 stopped after its first pieces; ranks 0 and 2 sent theirs up to the credit window
+    and wait for results that need rank 1, so the pieces past the window hold nothing from
+    anybody.  Those say nothing about who is missing: the round blames rank 1 alone (the fault
+    matrix's reducers / worker SIGSTOP cell blamed 0, 1, 2)."""
+    world, pool = 3, BufferPool()
+    pieces = {p: Piece(np.dtype(np.float32), 4, world, ops.ReduceOp.SUM, False, pool) for p in range(8)}
+    rnd = Round(1, 14, world, (), pieces, contributors={0, 1, 2})
+    for p in range(4):  # the window: ranks 0 and 2 sent pieces 0-3, rank 1 only pieces 0-1
+        for r in (0, 2) if p >= 2 else (0, 1, 2):
+            buf = pool.take(16)
+            buf[:] = 0
+            pieces[p].add(r, buf)
+    assert rnd.missing_ranks() == [1]
+    # A rank that never announced the round is missing whatever its pieces say.
+    late = Round(1, 15, world, (), {0: Piece(np.dtype(np.float32), 4, world, ops.ReduceOp.SUM, False, pool)},
+                 contributors={0, 2})
+    assert late.missing_ranks() == [1]
+
+
+def test_a_worker_names_the_world_ranks_a_reducer_found_missing():
+    """A hierarchical job's inter-host group of local ranks 0 is world ranks (0, 2): when its
+    reducer finds job rank 1 missing, the worker names world rank 2 (the fault matrix's
+    hier-reducers / worker SIGKILL blamed rank 1, alive on the other host)."""
+    group = ServerGroup(("127.0.0.1:9",), Config(), 1, 0, 2, global_ranks=(0, 2))
+    err = TransportError("reduction server 127.0.0.1:9 aborted the connection: "
+                         + wire.failed_job_ranks_reason([1], "reduction server: all-reduce #3 got nothing"),
+                         peer="reduction server 127.0.0.1:9")
+    named = group.in_world_ranks(err)
+    assert wire.failed_ranks_in(str(named)) == (2,) and named.peer == err.peer
+    # A note in world ranks (a worker's, relayed) and an error naming nobody stay as they are.
+    relayed = TransportError(wire.failed_ranks_reason([3], "worker rank 1 gave up"))
+    assert group.in_world_ranks(relayed) is relayed
+    plain = TransportError("connection reset")
+    assert group.in_world_ranks(plain) is plain
+
+
+def test_a_worker_that_gives_up_between_rounds_passes_its_diagnosis_on_at_once():
+    """Rank 1 of a job gives up between two rounds (its host-mate died), telling the reducer why:
+    rank 0's next round must fail at once with rank 1's diagnosis, not wait the job's timeout
+    and then blame rank 1 (the fault matrix's hier-reducers / worker SIGKILL)."""
+    with ReductionServer("127.0.0.1", 0, config=Config(timeout_s=30)) as server:
+        cfg = Config(timeout_s=30, nsocks=1)
+        conns = [connect(server.address, config=cfg, name=f"rank{r}") for r in range(2)]
+        try:
+            def announce(conn, rank, seq):
+                x = np.full(4, rank + 1, np.float32)
+                out = np.empty(4, np.float32)
+                got = conn.irecv(out, wire.piece_tag(seq, 0))
+                conn.isend(wire.encode_announce(7, seq, ops.dtype_code(x.dtype), ops.ReduceOp.SUM.code, 2, rank, 0,
+                                                4, 4, 1, 0, wire.timeout_ms(30)) + x.tobytes(), wire.ANNOUNCE_TAG)
+                return got, out
+
+            first = [announce(c, r, 0) for r, c in enumerate(conns)]
+            for got, out in first:
+                got.wait(10)
+                assert np.all(out == 3)
+            conns[1].abort(wire.failed_ranks_reason([5], "rank 1 gives up: rank 5 died"))
+            conns[1].close()
+            t0 = time.monotonic()
+            got, _ = announce(conns[0], 0, 1)
+            with pytest.raises(TransportError, match=r"\[failed ranks: 5\]"):
+                got.wait(20)
+            assert time.monotonic() - t0 < 5
+        finally:
+            for c in conns:
+                c.close()
+
+
+def test_fallback_does_not_wait_for_an_unreachable_reducer_on_every_call():
+    """A reducer whose host dropped off the network: with REDSOCK_SERVER_FALLBACK=ring the first
+    call waits for it (the timeout) and falls back; the calls after it go straight to ring until
+    a retry is due, instead of each waiting a whole timeout for the same dead host (the fault
+    matrix's reducers+fallback / reducer link down cell: one step every 3-6 s)."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)  # the kernel completes TCP handshakes; nobody ever answers redsock's
+    try:
+        env = {"REDSOCK_SERVERS": "127.0.0.1:%d" % hole.getsockname()[1], "REDSOCK_SERVER_FALLBACK": "ring",
+               "TEST_TIMEOUT_S": "2", "TEST_CALLS": "12"}
+        outs = run_world("server_unreachable_loop", 2, timeout=60, env=env)
+    finally:
+        hole.close()
+    for r, (code, out, err) in enumerate(outs):
+        assert code == 0, f"rank {r}:\n{err[-3000:]}"
+        took = float(re.search(r"calls took ([\d.]+)s", out).group(1))
+        # One timeout for the first call, then ring; 12 timeouts (24 s) before the fix.
+        assert took < 2 * 2.0 + 3.0, out
 
 
 def test_deterministic_mode_repeats_bitwise(reducers):

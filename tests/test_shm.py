@@ -1,14 +1,17 @@
 """Several ranks on one host: topology, the shared-memory transport and the collectives over it."""
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from redsock.bootstrap import FileStore, Topology, host_identity
-from redsock.errors import PeerFailure
+from redsock.errors import PeerFailure, Timeout, TransportError
+from redsock.transport.connection import RELAY_GRACE_S
 from redsock.transport.shm import LocalGroup
 from test_collectives import digests, run_world
 
@@ -117,6 +120,74 @@ def test_local_rank_that_dies_before_attaching_is_named_at_once(tmp_path, me):
     assert e.value.ranks == (11 - me,)
     assert time.monotonic() - t0 < 5
     assert _arenas() <= before
+
+
+def _pair(tmp_path, timeout_s):
+    """Two local ranks (world ranks 10 and 11) of one host, in this process."""
+    store, made = FileStore(tmp_path, timeout_s=30), {}
+
+    def make(me):
+        made[me] = LocalGroup(store, "shm/0", (10, 11), me, (os.getpid(), os.getpid()), region_bytes=4096,
+                              timeout_s=timeout_s, spin_us=0)
+
+    t = threading.Thread(target=make, args=(1,))
+    t.start()
+    make(0)
+    t.join(30)
+    return made[0], made[1]
+
+
+def test_a_local_rank_busy_elsewhere_is_given_the_relay_grace_before_it_is_blamed(tmp_path):
+    """Rank 11 is alive but held up in its inter-host step by a remote rank that stopped: rank
+    10's wait in shared memory times out first, and must wait the relay grace for 11's word
+    (whom it found failed) rather than blame 11 (the fault matrix's hier-reducers / worker
+    SIGSTOP: a local rank named its host-mate).  A peer that says nothing is blamed after it."""
+    a, b = _pair(tmp_path, timeout_s=1.0)
+    try:
+        timer = threading.Timer(2.0, b.abort, args=("[failed ranks: 7] rank 11 gives up: rank 7 stopped",))
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match=r"\[failed ranks: 7\]") as e:
+            a.sync(timeout_s=1.0)
+        assert not isinstance(e.value, Timeout) and time.monotonic() - t0 < 1.0 + RELAY_GRACE_S
+        timer.join()
+    finally:
+        a.close()
+        b.close()
+    a, b = _pair(tmp_path / "quiet", timeout_s=1.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(Timeout, match=r"local rank\(s\) \[11\] did not arrive"):
+            a.sync(timeout_s=1.0)
+        assert 1.0 + RELAY_GRACE_S - 0.1 < time.monotonic() - t0 < 1.0 + RELAY_GRACE_S + 1.0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_stopped_local_rank_is_named_at_the_timeout(tmp_path):
+    """A host-mate stopped by SIGSTOP is held up by nobody: named at the timeout, no grace."""
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(peer.pid, signal.SIGSTOP)
+        store, made = FileStore(tmp_path, timeout_s=30), {}
+        pids = (os.getpid(), peer.pid)
+        t = threading.Thread(target=lambda: made.setdefault(1, LocalGroup(
+            store, "shm/0", (10, 11), 1, (os.getpid(), os.getpid()), region_bytes=4096, timeout_s=1.0, spin_us=0)))
+        t.start()
+        a = LocalGroup(store, "shm/0", (10, 11), 0, pids, region_bytes=4096, timeout_s=1.0, spin_us=0)
+        t.join(30)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(Timeout, match=r"local rank\(s\) \[11\] did not arrive"):
+                a.sync(timeout_s=1.0)
+            assert time.monotonic() - t0 < 1.0 + RELAY_GRACE_S / 2
+        finally:
+            a.close()
+            made[1].close()
+    finally:
+        peer.kill()
+        peer.wait()
 
 
 def test_no_arena_left_after_an_exception_or_close():

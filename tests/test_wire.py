@@ -105,6 +105,18 @@ def test_an_abort_reason_names_failed_ranks_through_any_wrapping():
     assert wire.failed_ranks_in("reduction server 198.18.0.101:7700 failed: connection reset") is None
 
 
+def test_a_reducers_own_diagnosis_names_ranks_of_its_job_not_of_the_world():
+    """A reducer numbers ranks as its job does (a hierarchical job's inter-host group: one rank
+    per host), workers as the world does: the two notes never read as each other."""
+    own = wire.failed_job_ranks_reason([1], "reduction server: all-reduce #30 got nothing from rank(s) 1")
+    assert own.startswith("[failed job ranks: 1] reduction server:")
+    wrapped = f"reduction server 198.18.0.101:7700 aborted the connection: {own}"
+    assert wire.failed_job_ranks_in(wrapped) == (1,) and wire.failed_ranks_in(wrapped) is None
+    told = wire.failed_ranks_reason([2], "reduction server: worker rank 0 gave up")
+    assert wire.failed_job_ranks_in(told) is None and wire.failed_ranks_in(told) == (2,)
+    assert wire.failed_job_ranks_in(wire.failed_job_ranks_reason([], "x")) is None
+
+
 def test_slice_record_layout_and_bounds():
     b = wire.encode_slice(tag=1, seq=2, total=100, offset=60, length=40)
     assert len(b) == wire.SLICE_SIZE == 40

@@ -20,6 +20,8 @@ COMMANDS = [
     ("", "reproduce", "redsock.reproduce", "measure the seed's claims on the emulated testbed (root): docs/results.md"),
     ("", "plan", "redsock.plan.command", "predict every all-reduce algorithm's time at any scale; size reducers"),
     ("", "calibrate", "redsock.plan.calibrate", "measure the plan's constants here and write a profile (JSON)"),
+    ("testbed", "faults", "redsock.bench.faults",
+     "the fault matrix (root): kill, stop, cut or flap a worker or reducer mid-job; every survivor must fail in time, naming it"),
 ]
 
 
@@ -31,8 +33,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     words = None if argv is None else [a for a in argv if not a.startswith("-")]
 
+    from .testbed.cli import add_parser as add_testbed_parser
+
     bench = sub.add_parser("bench", help="benchmarks")
-    parents = {"": sub, "bench": bench.add_subparsers(dest="bench", required=True)}
+    parents = {"": sub, "bench": bench.add_subparsers(dest="bench", required=True),
+               "testbed": add_testbed_parser(sub)}
     for parent, name, module_name, help_text in COMMANDS:
         cmd = parents[parent].add_parser(name, help=help_text)
         path = [w for w in (parent, name) if w]
@@ -50,10 +55,6 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     srv.add_argument("--max-piece-bytes", default="256M",
                      help="largest piece a worker may send (bounds what one message can make the server hold)")
     srv.set_defaults(func=_serve)
-
-    from .testbed.cli import add_parser as add_testbed_parser
-
-    add_testbed_parser(sub)
     return p
 
 

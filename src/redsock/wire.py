@@ -249,6 +249,23 @@ def failed_ranks_in(reason: str) -> tuple[int, ...] | None:
     return ranks or None
 
 
+_FAILED_JOB_RANKS = re.compile(r"\[failed job ranks: ([0-9, ]*)\]")
+
+
+def failed_job_ranks_reason(ranks: Iterable[int], why: str) -> str:
+    """A reducer's own diagnosis: the ranks of the job (numbered as the job's announces number
+    them, which for a hierarchical job's inter-host group is not the world's numbering) that it
+    found missing.  A worker turns it into a :func:`failed_ranks_reason` in world ranks."""
+    return f"[failed job ranks: {', '.join(map(str, ranks))}] {why}"
+
+
+def failed_job_ranks_in(reason: str) -> tuple[int, ...] | None:
+    """The ranks a :func:`failed_job_ranks_reason` names (anywhere in ``reason``), or None."""
+    m = _FAILED_JOB_RANKS.search(reason)
+    ranks = tuple(sorted({int(v) for v in m.group(1).split(",") if v.strip()})) if m else ()
+    return ranks or None
+
+
 _FAILED_REDUCER = re.compile(r"\[failed reducer: ([^\]\s]+)\]")
 
 

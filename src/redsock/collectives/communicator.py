@@ -101,7 +101,8 @@ class Communicator:
                 self.hier = Hierarchy(self.peers, self.config, functools.partial(
                     self._inter_host_comm, store, advertise_toward))
             if self.config.servers:
-                self.servers = ServerGroup(self.config.servers, self.config, self._job_id(store), rank, world_size)
+                self.servers = ServerGroup(self.config.servers, self.config, self._job_id(store), rank, world_size,
+                                           self._global_ranks)
         except BaseException:
             self.close()
             raise

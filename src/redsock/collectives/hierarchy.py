@@ -402,6 +402,8 @@ class Hierarchy:
         self.local.abort(reason)
         if self.inter is not None:
             self.inter.peers.fail(reason)
+            if self.inter.servers is not None:  # its reducers wait for our shard: tell them why not
+                self.inter.servers.close(reason)
         self._stop()
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import numpy as np
@@ -39,13 +39,22 @@ log = logging.getLogger("redsock.collectives")
 
 #: While the reducers are unusable and calls fall back to ring, warn at most this often.
 FALLBACK_WARNING_S = 10.0
+#: After a call fell back to ring, the reducers are tried again once this many times what the
+#: failed try cost has passed: a refused connection (a reducer restarting) costs microseconds and
+#: is retried at the next call, a host that is gone costs a timeout and is retried after four
+#: (at most a fifth of the time goes to trying, not one timeout per call).
+RETRY_COST_FACTOR = 4.0
 
 
 class ServerGroup:
     """This rank's connections to the reduction servers, (re)opened on demand."""
 
-    def __init__(self, servers: tuple[str, ...], config: Config, job: int, rank: int, world: int):
+    def __init__(self, servers: tuple[str, ...], config: Config, job: int, rank: int, world: int,
+                 global_ranks: Sequence[int] | None = None):
         self.addresses = [parse_hostport(s) for s in servers]
+        # The world's rank of each rank of this job (a hierarchical job's inter-host group is a
+        # job of its own at the reducers, which name its ranks as it numbers them).
+        self.global_ranks = tuple(global_ranks) if global_ranks is not None else tuple(range(world))
         # A worker's link carries its connections to every reducer: split the stream budget
         # among them (the reducers already spread the flows) rather than multiply it.
         self.config = config.sharing_link(len(self.addresses))
@@ -57,6 +66,10 @@ class ServerGroup:
         self._lock = threading.Lock()
         self._fallbacks_unreported = 0  # ring fallbacks since the last warning
         self._last_warning = -float("inf")
+        # Since when calls go to ring (None: they try the reducers), and for how long before
+        # the next try.  Changed only by a call's outcome, which every rank agrees on.
+        self.down_since: float | None = None
+        self.retry_after_s = 0.0
 
     def warn_fallback(self, seq: int, reason: object) -> None:
         """Warn that call ``seq`` is finished by ring: the first time, then at most once per
@@ -70,6 +83,17 @@ class ServerGroup:
         log.warning("all-reduce #%d: %s; finishing it by ring all-reduce (REDSOCK_SERVER_FALLBACK=ring)%s",
                     seq, reason, more)
         self._fallbacks_unreported, self._last_warning = 0, now
+
+    def in_world_ranks(self, e: TransportError) -> TransportError:
+        """``e`` with a reducer's own diagnosis (ranks of this job) also named in world ranks,
+        as every other failure note is, so that the communicator names the right ranks."""
+        job_ranks = wire.failed_job_ranks_in(str(e))
+        if job_ranks is None or wire.failed_ranks_in(str(e)) is not None:
+            return e
+        ranks = [self.global_ranks[r] for r in job_ranks if 0 <= r < len(self.global_ranks)]
+        named = TransportError(wire.failed_ranks_reason(ranks, str(e)), peer=e.peer, op=e.op)
+        named.__cause__ = e
+        return named
 
     def conn(self, i: int) -> Connection:
         with self._lock:
@@ -109,6 +133,16 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Finish | No
         return _through_servers(ctx, group, x, op)
     # Fallback armed: keep the input, and let every rank agree on the outcome, so that
     # either all ranks keep the servers' result or all redo the call by ring.
+    if group.down_since is not None:
+        # The reducers failed a recent call: try them again once every rank's wait is over (a
+        # rank that tried alone would keep the others waiting on a connect to a dead host).
+        due = np.array([time.monotonic() - group.down_since >= group.retry_after_s], np.uint8)
+        small.all_reduce(ctx, due, ops.ReduceOp.MIN)
+        if not due[0]:
+            group.warn_fallback(ctx.seq, "the reduction servers failed a recent call")
+            ring.all_reduce(ctx, x, op)
+            return None
+    t0 = time.monotonic()
     saved = ctx.scratch(x.size, x.dtype)
     saved[:] = flat(x)
     failure: BaseException | None = None
@@ -135,7 +169,10 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> Finish | No
     ok = np.array([0 if failure or not reachable[0] else 1], np.uint8)
     small.all_reduce(ctx, ok, ops.ReduceOp.MIN)
     if ok[0]:
+        group.down_since = None
         return None
+    group.down_since = time.monotonic()
+    group.retry_after_s = RETRY_COST_FACTOR * (group.down_since - t0)
     group.warn_fallback(ctx.seq, failure or "a reduction server failed on another rank")
     flat(x)[:] = saved
     ring.all_reduce(ctx, x, op)
@@ -186,6 +223,7 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
     def failed(e: TransportError) -> NoReturn:
         # Receives may still be posted into x on the other servers' connections: closing
         # them all guarantees no late result lands in x.  The next call reconnects.
+        e = group.in_world_ranks(e)
         told = wire.failed_ranks_in(str(e))
         if told is not None:  # the server diagnosed a failed worker: the communicator names it
             group.close(wire.failed_ranks_reason(told, f"rank {ctx.rank} gives up all-reduce #{ctx.seq}: {e}"))

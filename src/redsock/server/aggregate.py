@@ -156,10 +156,13 @@ class Round:
     timeout_s: float = float("inf")
 
     def missing_ranks(self) -> list[int]:
-        """Ranks that have not delivered every piece (not announced, or stuck mid-way)."""
+        """Ranks that have not announced the round, or are behind the others on a piece.
+
+        A piece that nobody has sent names nobody: past the credit window every rank waits
+        for results that need the missing one, so blaming its absentees blames everyone."""
         everyone = set(range(self.world))
         missing = everyone - self.contributors
         for piece in self.pieces.values():
-            if piece.arrived < self.world:
+            if 0 < piece.arrived < self.world:
                 missing |= everyone - piece.ranks_in
         return sorted(missing)

@@ -328,14 +328,15 @@ class ReductionServer:
                 return
             del job.links[rank]
             busy = [k for k in self._rounds if k[0] == job_id]
+        if isinstance(err, TransportError) and err.op == "peer abort":
+            # The worker gave up and said why (a rank or a reducer it found failed): pass its
+            # diagnosis on, also between rounds (the others' next round would wait for it, then
+            # blame it); it failed only as a consequence and is not to be blamed.
+            told = wire.failed_ranks_in(str(err))
+            self._abort_job(job_id, list(told or ()), f"worker rank {rank} gave up ({err})", relayed=True)
+            return
         if busy:
-            if isinstance(err, TransportError) and err.op == "peer abort":
-                # The worker gave up and said why (a rank or a reducer it found failed): pass
-                # its diagnosis on; it failed only as a consequence and is not to be blamed.
-                told = wire.failed_ranks_in(str(err))
-                self._abort_job(job_id, list(told or ()), f"worker rank {rank} gave up ({err})")
-            else:
-                self._abort_job(job_id, [rank], f"worker rank {rank} of job {job_id:#x} failed ({err})")
+            self._abort_job(job_id, [rank], f"worker rank {rank} of job {job_id:#x} failed ({err})")
             return
         log.info("job %#x rank %d left", job_id, rank)
         with self._lock:
@@ -345,8 +346,9 @@ class ReductionServer:
         if self._metrics:
             self._metrics.jobs.set(len(self._jobs))
 
-    def _abort_job(self, job_id: int, ranks: list[int], why: str) -> None:
-        """Abort a job's rounds here: free their memory and tell every worker which ranks failed."""
+    def _abort_job(self, job_id: int, ranks: list[int], why: str, relayed: bool = False) -> None:
+        """Abort a job's rounds here: free their memory and tell every worker which ranks failed:
+        ranks of the job found here, or (``relayed``) the world's ranks a worker named."""
         with self._lock:
             job = self._jobs.pop(job_id, None)
             rounds = [self._rounds.pop(k) for k in list(self._rounds) if k[0] == job_id]
@@ -356,7 +358,8 @@ class ReductionServer:
         log.warning("job %#x aborted: %s", job_id, why)
         if job is None:
             return
-        reason = wire.failed_ranks_reason(ranks, f"reduction server: {why}")
+        note = wire.failed_ranks_reason if relayed else wire.failed_job_ranks_reason
+        reason = note(ranks, f"reduction server: {why}")
         for link in job.links.values():
             link.abort(reason)
         if self._metrics:
@@ -368,9 +371,15 @@ class ReductionServer:
             with self._lock:
                 stalled = [r for r in self._rounds.values()
                            if now - r.last_progress > r.timeout_s + DIAGNOSIS_MARGIN_S]
+            by_job: dict[int, list[Round]] = {}
             for rnd in stalled:
-                missing = rnd.missing_ranks()
-                self._abort_job(rnd.job, missing, f"all-reduce #{rnd.op_seq} got nothing from rank(s) "
+                by_job.setdefault(rnd.job, []).append(rnd)
+            for job_id, rounds in by_job.items():
+                # A round whose pieces are all complete or untouched waits for a rank that is
+                # behind in another one: the job's stalled rounds together name it.
+                missing = sorted(set().union(*(r.missing_ranks() for r in rounds)))
+                rnd = min(rounds, key=lambda r: r.op_seq)
+                self._abort_job(job_id, missing, f"all-reduce #{rnd.op_seq} got nothing from rank(s) "
                                 f"{', '.join(map(str, missing))} for {rnd.timeout_s:g}s (the job's timeout)")
 
 

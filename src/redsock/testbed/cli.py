@@ -22,8 +22,10 @@ from .netns import format_rate, parse_rate, require_root
 __all__ = ["add_parser", "main"]
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``testbed`` and its subcommands on an argparse ``subparsers`` object."""
+def add_parser(subparsers: Any) -> Any:
+    """Register ``testbed`` and its subcommands on an argparse ``subparsers`` object; returns
+    the testbed's own subparsers, where the main command adds the ones built on upper layers
+    (``faults``)."""
     p = subparsers.add_parser(
         "testbed", help="emulated cluster in network namespaces with shaped links",
         description="Emulated cluster: one network namespace per host, veths to a bridge, "
@@ -34,7 +36,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         return 2
 
     p.set_defaults(func=usage)
-    sub = p.add_subparsers(dest="testbed_cmd", metavar="{up,pair,down,status,exec,measure}")
+    sub = p.add_subparsers(dest="testbed_cmd", metavar="{up,pair,down,status,exec,measure,faults}")
 
     def prefix_arg(sp: argparse.ArgumentParser, default: str = DEFAULT_PREFIX) -> None:
         sp.add_argument("--prefix", default=default,
@@ -85,7 +87,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     me.add_argument("--sport", type=int, action="append", help="bind a flow to this source port")
     prefix_arg(me)
     me.set_defaults(func=_cmd_measure)
-    return p
+    return sub
 
 
 def _rate(text: str) -> int:

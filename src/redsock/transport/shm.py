@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PeerFailure, ProtocolError, Timeout, TransportError
+from .connection import RELAY_GRACE_S
 
 ARENA_DIR = "/dev/shm"
 ARENA_PREFIX = "redsock-"
@@ -107,6 +108,15 @@ def _vm_call(name: str) -> Any:
 _vm_readv, _vm_writev = _vm_call("process_vm_readv"), _vm_call("process_vm_writev")
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal or a tracer (state T or t)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
 def available() -> bool:
     """Whether this system can run the transport (Linux on x86-64, pidfds, /dev/shm)."""
     return _SYS_FUTEX is not None and hasattr(os, "pidfd_open") and os.path.isdir(ARENA_DIR)
@@ -136,6 +146,7 @@ class LocalGroup:
         nbytes = HEADER_BYTES + DATA_SKEW + 2 * self.size * self.region_bytes
         self._views: dict[tuple[int, np.dtype, int], np.ndarray] = {}  # rows() of recent calls
         self._pidfds: dict[int, int] = {}
+        self._pids = tuple(pids)
         try:
             # The peers' pidfds first: waiting for them to attach, a rank that died is named at once.
             self._poll = select.poll()
@@ -337,6 +348,7 @@ class LocalGroup:
             os.sched_yield()
         w = self._words
         sleep_word = self.me * _LINE_WORDS + _SLEEP
+        graced = False
         while True:
             self._check_failure()
             missing = self._missing(step)
@@ -344,10 +356,18 @@ class LocalGroup:
                 return
             self._raise_if_a_peer_died(0, "during a shared-memory collective")  # it never arrives: say who
             left = deadline - time.monotonic()
+            if left <= 0 and not graced and not any(_stopped(self._pids[lr]) for lr in missing):
+                # The missing ranks are alive (their pidfds say so) and running, so each is held
+                # up elsewhere (its inter-host step): if a remote rank failed there, its diagnosis
+                # reaches us as a failure note within the relay grace.  Not another whole timeout
+                # (no stacking); a stopped one (SIGSTOP) is not held up by anybody: named now.
+                graced = True
+                deadline += RELAY_GRACE_S
+                left = deadline - time.monotonic()
             if left <= 0:
                 names = [self.ranks[lr] for lr in missing]
                 raise Timeout(f"rank {self.ranks[self.me]}: local rank(s) {names} did not arrive at a "
-                              f"shared-memory step within {timeout_s:g}s",
+                              f"shared-memory step within {deadline - now:g}s",
                               peer=f"rank {names[0]}", op="shared-memory wait")
             lr = missing[0]
             w[sleep_word] = lr + 1  # the futex system call below is a full barrier

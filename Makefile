@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test compat bench-transport reproduce faults clean
+.PHONY: setup demo lint test docs compat bench-transport reproduce faults clean
 
 setup: $(STAMP)
 
@@ -18,8 +18,19 @@ demo: setup
 	$(PY) -m redsock bench allreduce --nprocs 4 -b 16 -e 64M -f 4 --algo auto,gloo --check \
 		--json out/allreduce.json --plot out/allreduce.png
 
-test: setup
+# The layers and no-cycles contracts (import-linter), style and import order (ruff), types (mypy);
+# their settings, and the few deliberate exceptions, are in pyproject.toml.
+lint: setup
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check src
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -q
+
+# The docs site in site/ (mkdocs.yml); --strict: a broken link or a reference entry that fails is an error.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 # torch's own distributed test suite on redsock next to gloo, world sizes 2 and 3 (tests/compat/compat.py).
 compat: setup
@@ -34,7 +45,7 @@ reproduce: setup
 	$(PY) -m redsock reproduce $(if $(filter 1 yes true,$(QUICK)),--quick)
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
 
 # The whole fault matrix of issue 38 (root, about 10 minutes on 2 cores): every cell as expected.
 faults: setup

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from redsock.bench import faults
+from redsock import faults
 from redsock.testbed import cleanup_prefix, list_prefix_netns
 
 IS_ROOT = os.geteuid() == 0
@@ -51,6 +51,17 @@ def test_matrix_cells():
         [[2], [2, 3], [1], []]
     assert faults.Cell("reducers", "srv-term", True).survives and faults.Cell("ring", "flap").survives
     assert not faults.Cell("reducers", "srv-term").survives
+
+
+def test_another_shape_than_the_algorithms_own():
+    """--hosts/--size (the issue's case 3: 4 hosts, 8 MiB): more ranks, the same victims."""
+    cells = faults.matrix(["reducers", "hier"], ["link"], hosts=4, elements=2 << 20)
+    assert [c.shape for c in cells] == [(2 << 20, 4)] * 2
+    assert [len(c.slots()) for c in cells] == [4, 8]
+    assert [c.victims() for c in cells] == [[1], [2, 3]]
+    assert faults.matrix(["small"], ["kill"])[0].shape == (256, 3)  # the algorithm's own
+    with pytest.raises(faults.ConfigError, match="at least 2"):
+        faults.matrix(["ring"], ["kill"], hosts=1)
 
 
 def test_left_behind_arenas_are_the_cells_own():

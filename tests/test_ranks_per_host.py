@@ -26,7 +26,7 @@ from redsock.bench.allreduce import testbed as allreduce_testbed
 from redsock import reproduce as R
 from redsock.reproduce import tables
 from redsock.bench.bounds import host_nic_factor
-from redsock.bench.testbed_launch import rank_env, start_ranks, stop, wait_ranks
+from redsock.testbed.launch import rank_env, start_ranks, stop, wait_ranks
 from redsock.errors import ConfigError
 from redsock.testbed import RankSlot, Testbed, list_prefix_netns, place_ranks
 

@@ -9,7 +9,6 @@ import sys
 
 from .errors import RedsockError
 
-
 #: (parent command, name, module, help): each module has add_arguments(parser) and run(args).
 COMMANDS = [
     ("bench", "transport", "redsock.bench.transport", "throughput and latency between two processes"),
@@ -20,7 +19,7 @@ COMMANDS = [
     ("", "reproduce", "redsock.reproduce", "measure the seed's claims on the emulated testbed (root): docs/results.md"),
     ("", "plan", "redsock.plan.command", "predict every all-reduce algorithm's time at any scale; size reducers"),
     ("", "calibrate", "redsock.plan.calibrate", "measure the plan's constants here and write a profile (JSON)"),
-    ("testbed", "faults", "redsock.bench.faults",
+    ("testbed", "faults", "redsock.faults",
      "the fault matrix (root): kill, stop, cut or flap a worker or reducer mid-job; every survivor must fail in time, naming it"),
 ]
 

@@ -29,12 +29,32 @@ ALGOS = ("auto", "ring", "small", "server", "hier")
 FALLBACKS = ("none", "ring")
 SWITCHES = ("auto", "off")
 
+#: Every option is the variable ``ENV_PREFIX + FIELD.upper()`` (see :func:`env_var`).
+ENV_PREFIX = "REDSOCK_"
+
+#: Variables that are not a Config field, and what they do. The docs' reference lists them with
+#: the fields (``redsock.reference``), and a test fails when src/ mentions a REDSOCK_* name that
+#: is in neither: a new variable is documented where it is defined.
+OTHER_VARIABLES = {
+    "REDSOCK_TOKEN_FILE": "File whose contents (stripped) are the shared secret, when REDSOCK_TOKEN is unset "
+                          "(what `redsock serve --token-file` reads, and Kubernetes mounts from a Secret).",
+    "REDSOCK_SOAK_REDUCER_PIDS": "Internal: `redsock bench soak` passes its reducers' pids to its worker "
+                                 "processes this way (to sample their memory); not an option.",
+}
+
+
+def env_var(name: str) -> str:
+    """The variable of the Config field ``name``: ``"piece_bytes"`` -> ``"REDSOCK_PIECE_BYTES"``."""
+    return ENV_PREFIX + name.upper()
+
 
 @dataclass(frozen=True)
 class Config:
-    """All tunables; defaults are the measured ones (see README, "Options")."""
+    """All tunables; defaults are the measured ones (every one: docs/reference/environment.md)."""
 
-    #: TCP data streams per connection (plus one control stream).
+    #: TCP data streams per connection (plus one control stream). Connections that share a host link
+    #: split them: a rank's connections to M reducers get nsocks // M each, a host's L shards between
+    #: hosts nsocks // L each (at least 1).
     nsocks: int = 4
     #: Data streams to a peer on this same host (loopback, or this host's own address), which
     #: then also get whole slices of at least LOCAL_CHUNK_BYTES and no TCP_NOTSENT_LOWAT: there
@@ -44,9 +64,11 @@ class Config:
     local_nsocks: int = 1
     #: Slice size for messages on the data streams.
     chunk_bytes: int = 512 * KiB
-    #: Messages up to this size go inline on the control stream from the caller's thread.
+    #: Messages up to this size go inline on the control stream from the caller's thread (both
+    #: sides use the smaller of their two values).
     inline_bytes: int = 64 * KiB
-    #: How long a receiver busy-polls the control stream before it blocks.
+    #: How long a receiver busy-polls the control stream (yielding the CPU) before it blocks; it does
+    #: not spin while its recent answers took longer than this (more ranks than cores).
     spin_us: int = 100
     #: Use MSG_ZEROCOPY for sends of at least this many bytes (0 = off).
     zerocopy_min_bytes: int = 0
@@ -59,12 +81,16 @@ class Config:
     #: Small, so a stream that falls behind holds few unsent bytes (testbed ring at 1 Gbit/s,
     #: 1 MiB steps over 4 streams: p90 10 ms at 32 KiB against 20 ms at 256 KiB; bound 8.8).
     notsent_lowat: int = 32 * KiB
-    #: Deadline for an operation that makes no progress, and for connecting.
+    #: Deadline for an operation that makes no progress (it fails and aborts its connection), and
+    #: for connecting and rendezvous. torch's ``timeout=`` of init_process_group / new_group sets
+    #: it per group, an options object's ``timeout`` per call.
     timeout_s: float = 120.0
     #: Largest single message accepted from the network (validates header fields).
     max_message_bytes: int = 64 * GiB
-    #: Address to bind listeners to, or the interface whose address to use.
+    #: Address to listen on and advertise to the other ranks (default: the one that routes to
+    #: MASTER_ADDR).
     bind_addr: str | None = None
+    #: Network interface whose IPv4 address to listen on and advertise (instead of bind_addr).
     ifname: str | None = None
     #: All-reduce algorithm: auto, ring, small (latency-optimised), server, or hier (shared memory
     #: inside each host, then ring/small/server between hosts).
@@ -80,16 +106,21 @@ class Config:
     #: shard per local rank between hosts): "auto" (whenever a host runs several ranks) or "off"
     #: (flat algorithms between hosts; a single-host job still uses shared memory).
     hierarchy: str = "auto"
-    #: Reduction servers, "host:port" each.
+    #: Reduction servers, "host:port" each: all-reduces of 64 KiB or more go through them (with
+    #: algo auto), each worker sending S bytes and receiving S bytes.
     servers: tuple[str, ...] = ()
-    #: Largest piece of an all-reduce sent to a reduction server (the testbed at 1 Gbit/s:
+    #: Largest piece of an all-reduce sent to a reduction server (a smaller message is cut into 16
+    #: pieces per server, >= 64 KiB each). Smaller pieces keep links busier, larger ones cost less
+    #: CPU: raise it where CPUs, not links, are busy (the testbed at 1 Gbit/s:
     #: 256 KiB pieces kept the reducers' links 84-92% busy, 1 MiB pieces 67-86%, with tail drops).
     piece_bytes: int = 256 * KiB
     #: Sum contributions in rank order so results repeat bitwise from run to run.
     deterministic: bool = False
-    #: What to do when a reduction server fails mid-operation: "none" (raise) or "ring".
+    #: What to do when a reduction server fails mid-operation: "none" (raise PeerFailure) or "ring"
+    #: (the ranks agree, redo the call by ring all-reduce and warn; a restarted reducer is used again).
     server_fallback: str = "none"
-    #: Shared secret for the HMAC handshake (None = no authentication).
+    #: Shared secret for the HMAC challenge-response of every stream's handshake (unset: no
+    #: authentication); the secret never crosses the wire. See also REDSOCK_TOKEN_FILE.
     token: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -125,7 +156,7 @@ class Config:
         for f in fields(cls):
             if f.name == "token":
                 continue
-            raw = env.get("REDSOCK_" + f.name.upper())
+            raw = env.get(env_var(f.name))
             if raw is not None and raw != "":
                 values[f.name] = _parse(f.name, f.type, raw)
         token = env.get("REDSOCK_TOKEN")
@@ -205,7 +236,7 @@ def parse_hostport(text: str, default_port: int | None = None) -> tuple[str, int
 
 def _parse(name: str, typ: Any, raw: str) -> Any:
     typ = str(typ)
-    var = "REDSOCK_" + name.upper()
+    var = env_var(name)
     try:
         if "tuple" in typ:
             return tuple(s.strip() for s in raw.split(",") if s.strip())

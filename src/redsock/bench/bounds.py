@@ -29,6 +29,12 @@ def host_nic_factor(algo: str, world: int, hosts: int, scheme: str = "flat") -> 
     None where there is no closed form (``auto`` / ``small`` choose by size) or no link is
     crossed (one host).
     """
+    return host_nic_bytes(1.0, algo, world, hosts, scheme)
+
+
+def host_nic_bytes(nbytes: float, algo: str, world: int, hosts: int, scheme: str = "flat") -> float | None:
+    """Bytes through one host's link, each way, for an all-reduce of ``nbytes``: ``nbytes`` x
+    :func:`host_nic_factor`, multiplied out in the order that keeps the plan's figures exact."""
     if scheme not in SCHEMES:
         raise ConfigError(f"unknown scheme {scheme!r}; one of {', '.join(SCHEMES)}")
     if world < 1 or hosts < 1 or world % hosts:
@@ -36,9 +42,9 @@ def host_nic_factor(algo: str, world: int, hosts: int, scheme: str = "flat") -> 
     if hosts < 2:
         return None
     if algo == "server":
-        return 1.0 if scheme == "hierarchical" else world / hosts
+        return nbytes if scheme == "hierarchical" else world // hosts * nbytes
     if algo in ("ring", "gloo"):
-        return 2 * (hosts - 1) / hosts if scheme == "hierarchical" else 2 * (world - 1) / world
+        return 2 * nbytes * (hosts - 1) / hosts if scheme == "hierarchical" else 2 * nbytes * (world - 1) / world
     return None
 
 

@@ -41,13 +41,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import ConfigError, RedsockError
+from ..testbed import launch
 from ..testbed import netns as nx
 from ..testbed.cluster import PROFILES, Testbed
 from ..testbed.netns import format_rate, parse_rate
 from . import report
-from .procs import box_cpu, cpu_shares, no_interrupts, terminate_as_interrupt
-from .testbed_launch import (MASTER_PORT, Proc, rank0_output, set_congestion_control, start_ranks, start_servers,
-                             stop, tail, tcp_counters, tcp_delta, tcp_line, wait_ranks)
+from .procs import box_cpu, cpu_shares
 
 __all__ = ["ALGOS", "add_arguments", "parse_result", "run", "summarize", "train_script"]
 
@@ -198,31 +197,31 @@ def run(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     results: dict[str, list[dict[str, Any]]] = {a: [] for a in algos}
     rc = 0
-    with tempfile.TemporaryDirectory(prefix="redsock-ddp-tb-") as tmp, terminate_as_interrupt():
+    with tempfile.TemporaryDirectory(prefix="redsock-ddp-tb-") as tmp, launch.terminate_as_interrupt():
         logdir = Path(tmp)
-        server_procs: list[Proc] = []
-        ranks: list[Proc] = []
+        server_procs: list[launch.Proc] = []
+        ranks: list[launch.Proc] = []
         try:
             print(f"# testbed {prefix}: {args.workers} workers x {args.ranks_per_host} rank(s) + {servers} reducers, "
                   f"{args.profile} links at {format_rate(rate)}", flush=True)
             tb.up()
-            print(f"# TCP congestion control in the hosts: {set_congestion_control(tb, args.tcp_cc)}", flush=True)
+            print(f"# TCP congestion control in the hosts: {launch.set_congestion_control(tb, args.tcp_cc)}", flush=True)
             if servers:
-                server_procs = start_servers(tb, logdir, deadline)
+                server_procs = launch.start_servers(tb, logdir, deadline)
             n = 0
             for rep in range(args.repeats):
                 for algo in algos:
                     backend, env = ALGOS[algo]
                     tag = f".{algo}{rep}"
                     print(f"# run {rep + 1}/{args.repeats}: {algo} (--backend {backend})", flush=True)
-                    tcp0, box0 = tcp_counters(tb), box_cpu()
+                    tcp0, box0 = launch.tcp_counters(tb), box_cpu()
                     # A fresh store port per run: the last run's may linger in TIME_WAIT.
-                    ranks, relays = start_ranks(tb, _train_argv(args, backend), logdir, env,
-                                                 master_port=MASTER_PORT + 1 + n, tag=tag,
+                    ranks, relays = launch.start_ranks(tb, _train_argv(args, backend), logdir, env,
+                                                 master_port=launch.MASTER_PORT + 1 + n, tag=tag,
                                                  ranks_per_host=args.ranks_per_host)
                     n += 1
-                    why = wait_ranks(ranks, server_procs, deadline, args.timeout)
-                    stop(ranks)
+                    why = launch.wait_ranks(ranks, server_procs, deadline, args.timeout)
+                    launch.stop(ranks)
                     for t in relays:
                         t.join(timeout=5)
                     if why is None and any(p.proc.returncode for p in ranks):
@@ -230,26 +229,26 @@ def run(args: argparse.Namespace) -> int:
                     if why is not None:
                         for p in ranks:
                             if p.proc.returncode:
-                                print(f"--- {p.name} (exit {p.proc.returncode}) ---\n{tail(p.log) or '(no output)'}",
+                                print(f"--- {p.name} (exit {p.proc.returncode}) ---\n{launch.tail(p.log) or '(no output)'}",
                                       file=sys.stderr)
                         raise RedsockError(f"{algo} run {rep + 1} failed: {why}")
-                    result = parse_result(rank0_output(tb, logdir, args.ranks_per_host, tag).read_text())
-                    result["tcp"] = tcp_delta(tcp0, tcp_counters(tb))
+                    result = parse_result(launch.rank0_output(tb, logdir, args.ranks_per_host, tag).read_text())
+                    result["tcp"] = launch.tcp_delta(tcp0, launch.tcp_counters(tb))
                     result["machine_busy"], result["machine_steal"] = cpu_shares(box0, box_cpu())
-                    print(f"# TCP during the run, all hosts: {tcp_line(result['tcp'])}", flush=True)
+                    print(f"# TCP during the run, all hosts: {launch.tcp_line(result['tcp'])}", flush=True)
                     print(f"# CPU during the run: the whole machine {result['machine_busy']:.0%} busy "
                           f"({os.cpu_count()} cores, start-up included; {result['machine_steal']:.0%} stolen by the "
                           "hypervisor)", flush=True)
                     results[algo].append(result)
             for s in server_procs:
                 if s.proc.poll() is not None:
-                    raise RedsockError(f"reduction server on {s.name} exited with {s.proc.returncode}: {tail(s.log)}")
+                    raise RedsockError(f"reduction server on {s.name} exited with {s.proc.returncode}: {launch.tail(s.log)}")
         except RedsockError as e:
             print(f"redsock: ddp testbed run failed: {e}", file=sys.stderr)
             rc = 1
         finally:
-            with no_interrupts():
-                stop(ranks + server_procs)
+            with launch.no_interrupts():
+                launch.stop(ranks + server_procs)
                 tb.down()
     done = {a: r for a, r in results.items() if r}
     if done:

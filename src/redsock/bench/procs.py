@@ -1,17 +1,18 @@
 """The child processes a benchmark or test starts: their output, stopping them, and the
-machine's CPU they share."""
+machine's CPU they share (with the CPU line the testbed benchmarks print and reproduce reads)."""
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import subprocess
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
 
 def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 10.0) -> None:
@@ -28,6 +29,10 @@ def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 10.0) -> 
             p.wait()
 
 
+#: The output files of the processes :func:`start_logged` started (gone with the process object).
+_LOGS: weakref.WeakKeyDictionary[subprocess.Popen, tuple[IO[str], IO[str]]] = weakref.WeakKeyDictionary()
+
+
 def start_logged(argv: Sequence[str], popen: Callable[..., subprocess.Popen] = subprocess.Popen,
                  **kwargs: Any) -> subprocess.Popen:
     """``popen(argv, **kwargs)`` with stdout and stderr going to unlinked temporary files, not
@@ -41,7 +46,7 @@ def start_logged(argv: Sequence[str], popen: Callable[..., subprocess.Popen] = s
         out.close()
         err.close()
         raise
-    proc.logs = (out, err)
+    _LOGS[proc] = (out, err)
     return proc
 
 
@@ -62,7 +67,7 @@ def wait_logged(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[tup
     outs = []
     for p in procs:
         texts = []
-        for f in p.logs:
+        for f in _LOGS[p]:
             f.seek(0)
             texts.append(f.read())
             f.close()
@@ -98,37 +103,35 @@ def cpu_shares(before: BoxCpu, after: BoxCpu) -> tuple[float, float]:
     return (after.busy - before.busy) / total, (after.steal - before.steal) / total
 
 
-@contextmanager
-def terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM/SIGHUP raise KeyboardInterrupt, so the testbed's ``finally`` runs for them too."""
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+def cpu_line(wall_s: float, rank_cpu_s: float, server_cpu_s: float, busy: float, steal: float) -> str:
+    """The testbed benchmarks' CPU line; reproduce and ``plan --lab`` read it back from their
+    logs with :data:`CPU_SHARE_RE` and :data:`MACHINE_BUSY_RE`."""
+    ncpu = os.cpu_count() or 1
+    return (f"# CPU over {wall_s:.1f} s: ranks {rank_cpu_s:.1f} s, reducers {server_cpu_s:.1f} s "
+            f"(= {100 * (rank_cpu_s + server_cpu_s) / (wall_s * ncpu):.0f}% of {ncpu} cores); "
+            f"whole machine busy {100 * busy:.0f}% (includes anything else running, and {100 * steal:.0f}% "
+            "stolen by the hypervisor)")
 
-    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
-    in_main = threading.current_thread() is threading.main_thread()
-    if in_main:
-        for s in old:
-            signal.signal(s, handler)
+
+#: A benchmark that kept the whole machine this busy measured its cores, not its links (the
+#: lab's rule: ``plan --lab`` classes such rows CPU-bound, the testbed tables print the share).
+BUSY_LIMIT = 0.75
+#: In :func:`cpu_line`: the CPU the benchmark's own processes used, % of all cores.
+CPU_SHARE_RE = re.compile(r"\(= (\d+)% of \d+ cores\)")
+#: In :func:`cpu_line`: how busy the whole machine was, %.
+MACHINE_BUSY_RE = re.compile(r"whole machine busy (\d+)%")
+
+
+def proc_status(pid: int) -> dict[str, float]:
+    """Peak RSS (VmHWM, MiB) and CPU seconds so far of a live process, from /proc."""
+    out: dict[str, float] = {}
     try:
-        yield
-    finally:
-        if in_main:
-            for s, h in old.items():
-                signal.signal(s, h)
-
-
-@contextmanager
-def no_interrupts() -> Iterator[None]:
-    """Hold off Ctrl-C / SIGTERM while tearing down, so a second one cannot leave namespaces."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    old = {s: signal.getsignal(s) for s in sigs}
-    for s in sigs:
-        signal.signal(s, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("VmHWM:", "VmRSS:")):
+                out[line.split(":")[0]] = int(line.split()[1]) / 1024
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        tick = os.sysconf("SC_CLK_TCK")
+        out["cpu_s"] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    except (OSError, IndexError, ValueError):
+        pass
+    return out

@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from .allreduce.inputs import count_wrong, make_input, reference
 from .allreduce.local import launch_local
 from .allreduce.rank import SweepProgress
-from .testbed_launch import proc_status
+from .procs import proc_status
 
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"]
 OPS = ["sum", "avg", "min", "max", "prod"]
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         for _ in range(args.reducers):
             proc = subprocess.Popen([sys.executable, "-m", "redsock", "serve", "--host", "127.0.0.1", "--port", "0"],
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            m = re.search(r"on (\S+:\d+)", proc.stdout.readline())
+            m = re.search(r"on (\S+:\d+)", proc.stdout.readline() if proc.stdout else "")
             if not m:
                 raise ConfigError("a reduction server did not start")
             servers.append((proc, m.group(1)))

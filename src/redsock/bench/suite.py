@@ -172,12 +172,13 @@ def make_plan(s: Settings, results_dir: Path, prefix: str) -> list[Step]:
                     n * ranks_per_host, profile, series)
 
     if "transport" in s.sections:
-        argv = ["bench", "transport", "--testbed", "perflow", "--rates", s.transport_rates,
-                "--sizes", s.transport_sizes, "--impl", "redsock,plain", "--nsocks", str(s.nsocks),
-                "--iters", str(s.transport_iters), "--reps", str(s.transport_reps), "--prefix", prefix]
+        argv: tuple[str, ...] = (
+            "bench", "transport", "--testbed", "perflow", "--rates", s.transport_rates, "--sizes", s.transport_sizes,
+            "--impl", "redsock,plain", "--nsocks", str(s.nsocks), "--iters", str(s.transport_iters),
+            "--reps", str(s.transport_reps), "--prefix", prefix)
         if s.transport_extra_nsocks:
-            argv += ["--extra-nsocks", s.transport_extra_nsocks]
-        big = max(parse_size(x) for x in s.transport_sizes.split(","))
+            argv += ("--extra-nsocks", s.transport_extra_nsocks)
+        big: float = max(parse_size(x) for x in s.transport_sizes.split(","))
         # ~0.04 s per MiB sent per configuration (the static split is the slowest, ~0.8 Gbit/s).
         timeout = 120 + 0.15 * s.transport_iters * s.transport_reps * big / (1 << 20)
         steps.append(Step("transport", "transport", "Fast Socket under per-flow imbalance",

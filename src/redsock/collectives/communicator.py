@@ -140,16 +140,24 @@ class Communicator:
         return self._run("all_reduce", (x.dtype, x.size, rop, algo),
                          lambda ctx: run(ctx, x, rop) if self.world_size > 1 else _solo(x, rop), async_op)
 
+    def _check_pair(self, what: str, input: np.ndarray, output: np.ndarray,
+                    whole: str) -> tuple[np.ndarray, np.ndarray]:
+        """The checked arrays of a collective whose ``whole`` side ("input" or "output") holds
+        world_size times the other side's elements."""
+        x = _check_array(input, f"{what} input", writable=False)
+        out = _check_array(output, f"{what} output", writable=True)
+        _same_dtype(x, out, what)
+        big, small, part = (x, out, "output") if whole == "input" else (out, x, "input")
+        if big.size != small.size * self.world_size:
+            raise ConfigError(f"{what}: {whole} has {big.size} elements, expected world_size × {part} "
+                              f"= {self.world_size} × {small.size}")
+        return x, out
+
     def reduce_scatter(self, input: np.ndarray, output: np.ndarray, op: Any = "sum",
                        async_op: bool = False) -> Work | None:
         """``output`` (count elements) = the reduction of every rank's ``input`` (world × count),
         segment ``rank``."""
-        x = _check_array(input, "reduce_scatter input", writable=False)
-        out = _check_array(output, "reduce_scatter output", writable=True)
-        _same_dtype(x, out, "reduce_scatter")
-        if x.size != out.size * self.world_size:
-            raise ConfigError(f"reduce_scatter: input has {x.size} elements, expected world_size × output "
-                              f"= {self.world_size} × {out.size}")
+        x, out = self._check_pair("reduce_scatter", input, output, whole="input")
         rop = ops.ReduceOp.parse(op)
         if self._single_host_shm():
             return self._run("reduce_scatter", (x.dtype, out.size, rop),
@@ -165,12 +173,7 @@ class Communicator:
 
     def all_gather(self, input: np.ndarray, output: np.ndarray, async_op: bool = False) -> Work | None:
         """``output`` (world × count) = every rank's ``input`` (count), in rank order."""
-        x = _check_array(input, "all_gather input", writable=False)
-        out = _check_array(output, "all_gather output", writable=True)
-        _same_dtype(x, out, "all_gather")
-        if out.size != x.size * self.world_size:
-            raise ConfigError(f"all_gather: output has {out.size} elements, expected world_size × input "
-                              f"= {self.world_size} × {x.size}")
+        x, out = self._check_pair("all_gather", input, output, whole="output")
         if self._single_host_shm():
             return self._run("all_gather", (x.dtype, x.size), lambda ctx: self.hier.all_gather(ctx, x, out),
                              async_op, shared=True)

@@ -41,7 +41,7 @@ from ..transport.shm import LocalGroup
 from .context import CallContext, chunks, flat, partition, ramped_chunks, signature_check
 
 #: Bytes of each half of a rank's region: the largest piece a collective moves at once, the
-#: size of the pieces whose shards cross hosts (measured: README "Several ranks per host").
+#: size of the pieces whose shards cross hosts (measured: docs/benchmarks/lab-log.md, "Several ranks per host").
 REGION_BYTES = 4 * MiB
 #: Pieces of a collective that stays inside the host: the 2 x L pieces in flight stay in the
 #: caches (4 ranks on one host, float32 sum, 4 / 16 / 64 MiB: 7.7 / 26 / 105 ms with 4 MiB

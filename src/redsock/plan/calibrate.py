@@ -87,7 +87,7 @@ class _Reducer:
         return self
 
     def cpu_s(self) -> float:
-        from ..bench.testbed_launch import proc_status
+        from ..bench.procs import proc_status
 
         return proc_status(self.proc.pid).get("cpu_s", 0.0)
 

@@ -141,8 +141,8 @@ def tables(plan: Plan) -> list[tuple[str, list[str], list[list[str]]]]:
             [[LABELS[p.algo], _ms(p.seconds), f"{p.algbw_GBps:.3g}", f"{p.busbw_GBps:.3g}",
               human_size(p.nic_bytes) if p.nic_bytes else "0", p.bottleneck, f"{gloo / p.seconds:.2f}x"]
              for p in plan.predictions])]
-    rows = plan.ddp_rows()
-    if rows:
+    rows, t = plan.ddp_rows(), plan.training
+    if rows and t is not None:
         costed = "cost_per_step" in rows[0]
         head = ["algorithm", "gradient sync", "step", "steps/s", "speed-up vs gloo", "hosts + reducers"]
         head += ["cost / step", "cost vs gloo"] if costed else []
@@ -153,7 +153,6 @@ def tables(plan: Plan) -> list[tuple[str, list[str], list[list[str]]]]:
             if costed:
                 line += [f"{r['cost_per_step']:.3g}", f"{r['cost_vs_gloo']:.2f}x"]
             body.append(line)
-        t = plan.training
         out.append((f"DDP step: {human_size(t.model_bytes)} of gradients in {human_size(t.bucket_bytes)} buckets, "
                     f"{_ms(t.compute_s)} compute, overlap {t.overlap:.0%}", head, body))
     return out
@@ -263,7 +262,7 @@ def _size(text: str, option: str) -> int:
 
 def apply_overrides(profile: Profile, sets: list[str] | None) -> Profile:
     """``--set NAME=VALUE`` (any profile field, e.g. ``intra_Bps=200e9`` for NVLink hosts)."""
-    changes: dict[str, float] = {}
+    changes: dict[str, Any] = {}
     names = {f.name for f in dataclasses.fields(Profile)} - {"source"}
     for item in sets or []:
         name, sep, value = item.partition("=")

@@ -23,7 +23,6 @@ from typing import Any
 from ..errors import ConfigError
 from .model import Cluster
 
-
 __all__ = ["REDUCER_ARGS", "add_arguments", "manifests", "reducer_args", "to_yaml"]
 
 REDUCER_PORT = 7700

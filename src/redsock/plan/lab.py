@@ -30,8 +30,8 @@ from typing import Any
 
 from ..bench import report, suite
 from ..bench.bounds import GOODPUT_FACTOR
+from ..bench.procs import BUSY_LIMIT, MACHINE_BUSY_RE
 from ..bench.report import Row, human_size
-from ..bench.testbed_launch import BUSY_LIMIT, MACHINE_BUSY_RE
 from ..errors import ConfigError
 from ..testbed import netns
 from . import model
@@ -141,7 +141,7 @@ def check_rows(rows: list[Row], profile: Profile, cores: int | None = None) -> l
         # Rows that record the route they took (bench allreduce: "scheme", "inter") are
         # predicted for that route, not for the series' default.
         if algo != "gloo":  # (gloo's rows say "ring" too: its own ring, with its own constants)
-            algo = ROUTE_ALGO.get(r.extra.get("inter"), algo)
+            algo = ROUTE_ALGO.get(r.extra.get("inter", ""), algo)
         cluster, goodput = _layout(r)
         hierarchical = r.extra.get("scheme", "hierarchical" if r.extra.get("hierarchy", "auto") != "off" else "flat")
         if cluster.ranks_per_host > 1 and algo in HIERARCHICAL and hierarchical == "hierarchical":

@@ -8,8 +8,10 @@ rate, because pieces stream through all of them at once::
 
 Resources: the host NIC (each way; payload rate = line rate x goodput factor), a rank's
 reduction (numpy add), a rank's in-host traffic (shared memory, or TCP loopback for gloo),
-a reducer's NIC and a reducer's CPU.  Bytes per host NIC follow DESIGN.md section 7:
-flat ring 2S(N-1)/N, hierarchical ring 2S(H-1)/H, flat reducers L*S, hierarchical reducers S.
+a reducer's NIC and a reducer's CPU.  Bytes per host NIC follow DESIGN.md section 7
+(:mod:`redsock.bench.bounds`): flat ring 2S(N-1)/N, hierarchical ring 2S(H-1)/H (the ring
+over H hosts), flat reducers L*S, hierarchical reducers S (L senders of S/L each; unlike the
+bound, also on one worker host, since the reducers are hosts of their own).
 Hierarchical algorithms run three phases one after another (in-host reduce-scatter, the
 inter-host algorithm on S/L per rank, in-host all-gather), so their phases add up.
 
@@ -34,6 +36,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from ..bench.bounds import host_nic_bytes
 from ..collectives.server_client import MIN_PIECE_BYTES, PIECES_PER_SERVER
 from ..config import Config
 from ..errors import ConfigError
@@ -158,7 +161,7 @@ def _ring(c: Cluster, s: float, p: Profile, step_s: float, in_host_Bps: float) -
     """Flat ring over all N ranks, placed consecutively: one ring edge per host crosses the NIC."""
     n, L = c.world, c.ranks_per_host
     per_rank = 2 * s * (n - 1) / n
-    nic = per_rank if c.hosts > 1 else 0.0
+    nic = host_nic_bytes(s, "ring", n, c.hosts) or 0.0
     terms = {"reduce": s * (n - 1) / n / p.reduce_Bps}
     if nic:
         terms["host NIC"] = nic / _goodput(c.link_bps, p)

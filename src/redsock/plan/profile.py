@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..bench.bounds import GOODPUT_FACTOR
 from ..config import SMALLEST_PIECE_BYTES, KiB
 from ..errors import ConfigError
 
@@ -31,7 +32,7 @@ class Profile:
 
     #: Payload bytes per line-rate byte of a TCP link (Ethernet/IP/TCP headers; the testbed's
     #: tc counts them too, and a 1 Gbit/s link carried 0.956 Gbit/s of payload).
-    goodput_factor: float = 0.956
+    goodput_factor: float = GOODPUT_FACTOR
     #: One step of gloo's ring (send a segment, receive one, small messages): half of its
     #: 2-rank 8-byte all-reduce (2 steps).  Lab: 416 us / 2.
     gloo_step_s: float = 208e-6

@@ -41,6 +41,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+from ..bench.procs import CPU_SHARE_RE
 from ..bench.suite import (
     PLANS,
     SECTIONS,
@@ -52,7 +53,6 @@ from ..bench.suite import (
     make_plan,
     tag_rows,
 )
-from ..bench.testbed_launch import CPU_SHARE_RE
 from ..errors import ConfigError
 from .figures import write_figures
 from .render import RunInfo, invocation, render_markdown

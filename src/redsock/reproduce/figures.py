@@ -113,8 +113,9 @@ def plot_latency(rows: Sequence[report.Row], path: Path) -> Path:
             ns = sorted(by)
             (line,) = ax.plot(ns, [by[n].median_s * 1e6 for n in ns], marker="o", label=label)
             model = [latency_growth_model(series, ns[0], n) for n in ns] if len(ns) > 1 else []
-            if model and all(x is not None for x in model):
-                ax.plot(ns, [by[ns[0]].median_s * 1e6 * x for x in model], ls=":", color=line.get_color())
+            growth = [x for x in model if x is not None]
+            if model and len(growth) == len(model):
+                ax.plot(ns, [by[ns[0]].median_s * 1e6 * x for x in growth], ls=":", color=line.get_color())
         ax.set_title(f"{report.human_size(size)} (dotted: latency-bound model)")
         ax.set_xlabel("workers N")
         ax.set_ylabel("median time (µs)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from ..plan import DEFAULT, lab
 from ..testbed.netns import format_rate
 from .tables import (
+    ArPoint,
     allreduce_points,
     allreduce_table,
     ddp_points,
@@ -107,11 +108,17 @@ def _headline_transport(rows: list[Any]) -> list[tuple[str, str, str]]:
     return out
 
 
-def _headline_allreduce(rows: list[Any]) -> list[tuple[str, str, str]]:
-    out = []
+def _at_largest(rows: list[Any]) -> Iterator[tuple[str, int, int, list[ArPoint]]]:
+    """Per (profile, N) of the all-reduce points: the largest size and the points measured at it."""
     for (profile, n), pts in allreduce_points(rows).items():
         top = max(p.row.bytes for p in pts)
-        big = {p.series: p for p in pts if p.row.bytes == top}
+        yield profile, n, top, [p for p in pts if p.row.bytes == top]
+
+
+def _headline_allreduce(rows: list[Any]) -> list[tuple[str, str, str]]:
+    out = []
+    for profile, n, top, pts in _at_largest(rows):
+        big = {p.series: p for p in pts}
         where = f"N={n}, {report.human_size(top)}" + (", per-flow links" if profile == "perflow" else "")
         ring = big.get("ring")
         if ring and ring.over_one_socket is not None:
@@ -129,12 +136,11 @@ def _headline_allreduce(rows: list[Any]) -> list[tuple[str, str, str]]:
 
 def _headline_multirank(rows: list[Any]) -> list[tuple[str, str, str]]:
     out = []
-    for (_, n), pts in allreduce_points(rows).items():
-        top = max(p.row.bytes for p in pts)
+    for _, n, top, pts in _at_largest(rows):
         hosts = placement(pts[0].row)[0]
         where = f"{hosts} hosts x {n // hosts} ranks, {report.human_size(top)}"
         for p in pts:
-            if p.row.bytes == top and not p.series.startswith("gloo"):
+            if not p.series.startswith("gloo"):
                 mine = host_nic_factor(p.inter, n, hosts, p.scheme)
                 out.append((f"{p.label} vs gloo's flat ring ({where})",
                             f"{ratio(p.over_gloo)}; at {report.percent(p.of_bound)} of its bound",
@@ -242,18 +248,15 @@ def render_markdown(info: RunInfo, results: Sequence[StepResult], results_dir: P
     if fails:
         lines += ["", "Not everything ran: see the sections below."]
 
-    lines += ["", "## 1. Fast Socket under per-flow imbalance", ""]
-    lines += _section_body(info, results, "transport", _transport_body)
-    lines += ["", "## 2. All-reduce bandwidth against message size", ""]
-    lines += _section_body(info, results, "allreduce", _allreduce_body)
-    lines += ["", "## 2b. All-reduce under per-flow imbalance", ""]
-    lines += _section_body(info, results, "perflow", _perflow_body)
-    lines += ["", "## 3. Small-message latency against N", ""]
-    lines += _section_body(info, results, "latency", _latency_body)
-    lines += ["", "## 4. DDP training: steps/s and cost per step", ""]
-    lines += _section_body(info, results, "ddp", _ddp_body)
-    lines += ["", "## 5. Several ranks per host", ""]
-    lines += _section_body(info, results, "multirank", _multirank_body)
+    for heading, section, body in (
+            ("1. Fast Socket under per-flow imbalance", "transport", _transport_body),
+            ("2. All-reduce bandwidth against message size", "allreduce", _allreduce_body),
+            ("2b. All-reduce under per-flow imbalance", "perflow", _perflow_body),
+            ("3. Small-message latency against N", "latency", _latency_body),
+            ("4. DDP training: steps/s and cost per step", "ddp", _ddp_body),
+            ("5. Several ranks per host", "multirank", _multirank_body)):
+        lines += ["", f"## {heading}", ""]
+        lines += _section_body(info, results, section, body)
 
     lines += ["", "## Commands run", "",
               "| step | status | exit | wall (s) | CPU of ranks + reducers (% of all cores) |",
@@ -333,13 +336,17 @@ def _allreduce_body(info: RunInfo, results: Sequence[StepResult], note: str = ""
     return out
 
 
+def _prose_and_table(info: RunInfo, section: str, prose: str, table: str, alt: str) -> list[str]:
+    return [prose, "", table, *_figure(info, section, alt)]
+
+
 def _latency_body(info: RunInfo, results: Sequence[StepResult]) -> list[str]:
-    rows = section_data(results)
-    return [("Median time of one all-reduce (float32 sum) against N. A latency-bound ring takes 2(N-1) steps, "
-             "recursive doubling (`auto` below 64 KiB) log2 N, the reducers 2 hops whatever N. "
-             "`model` is the growth from the smallest to the largest N such an algorithm would show. All "
-             "ranks share this machine's cores, so CPU contention grows with N too."),
-            "", latency_table(rows), *_figure(info, "latency", "latency against N")]
+    table = latency_table(section_data(results))
+    return _prose_and_table(info, "latency", (
+        "Median time of one all-reduce (float32 sum) against N. A latency-bound ring takes 2(N-1) steps, recursive "
+        "doubling (`auto` below 64 KiB) log2 N, the reducers 2 hops whatever N. `model` is the growth from the "
+        "smallest to the largest N such an algorithm would show. All ranks share this machine's cores, so CPU "
+        "contention grows with N too."), table, "latency against N")
 
 
 def _perflow_body(info: RunInfo, results: Sequence[StepResult]) -> list[str]:
@@ -372,9 +379,9 @@ def _multirank_body(info: RunInfo, results: Sequence[StepResult]) -> list[str]:
 
 
 def _ddp_body(info: RunInfo, results: Sequence[StepResult]) -> list[str]:
-    rows = section_data(results)
-    return [("`examples/train_lm.py` under DDP, the same script for every backend. Cost per step = hosts x "
+    return _prose_and_table(info, "ddp", (
+             "`examples/train_lm.py` under DDP, the same script for every backend. Cost per step = hosts x "
              "seconds per step, reducer hosts counted as full hosts (on a real cluster they are cheaper CPU "
              "machines). `comm-bound steps/s`: the steps/s if a step were only its gradient all-reduce at link "
              "goodput (ring: 2(N-1)/N x gradient bytes per worker, reducers: 1x)."),
-            "", ddp_table(ddp_points(rows)), *_figure(info, "ddp", "DDP steps/s and cost per step")]
+        ddp_table(ddp_points(section_data(results))), "DDP steps/s and cost per step")

@@ -10,10 +10,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..bench.procs import no_interrupts, stop_processes, terminate_as_interrupt
+from ..bench.procs import CPU_SHARE_RE, stop_processes
 from ..bench.suite import Settings, Step, StepResult, load_data, make_plan
-from ..bench.testbed_launch import CPU_SHARE_RE, tail
 from ..errors import ConfigError, RedsockError
+from ..testbed.launch import no_interrupts, tail, terminate_as_interrupt
 from .figures import write_figures
 from .render import RESULTS, RunInfo, render_markdown
 

@@ -34,9 +34,9 @@ namespaces by prefix alone, so they also clean up after a crashed run.
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
 import re
 import subprocess
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
@@ -641,7 +641,7 @@ def _link_status(ns: str, dev: str, ns_present: bool) -> LinkStatus:
     kind = root["kind"] if root else "none"
     rates: list[int] = []
     total: int | None = None
-    if kind == "tbf":
+    if root is not None and kind == "tbf":
         rates = [int(root["options"]["rate"]) * 8]  # tc's JSON reports bytes/s
         summary = f"tbf {_short_rate(rates[0])}"
     elif kind == "htb":

@@ -132,7 +132,7 @@ def _rates(result: dict[str, Any], warmup: float) -> GoodputResult:
 
 def _counts_at(timeline: list[tuple[float, list[int]]], t: float) -> list[float]:
     """Byte counts at time ``t``, interpolated linearly between timeline samples."""
-    prev = (timeline[0][0], [0.0] * len(timeline[0][1]))
+    prev: tuple[float, list[float] | list[int]] = (timeline[0][0], [0.0] * len(timeline[0][1]))
     for ts, counts in timeline:
         if ts >= t:
             span = ts - prev[0]

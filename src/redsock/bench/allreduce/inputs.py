@@ -10,7 +10,6 @@ import numpy as np
 
 from ... import ops
 
-
 #: Every input repeats with this period (``i * 7 % 11`` and ``i % 2`` below), so an input, and
 #: its reference, is one period tiled: building them costs a copy, not integer arithmetic per element.
 INPUT_PERIOD = 22

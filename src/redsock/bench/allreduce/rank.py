@@ -9,9 +9,11 @@ objects, the one result type of every mode.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -130,12 +132,13 @@ def run_rank(args: argparse.Namespace) -> int:
         for nbytes in sizes:
             count = nbytes // dtype.itemsize
             for algo in algos:
+                fn: Callable[[np.ndarray], object]
                 if algo == "gloo":
-                    if op is ops.ReduceOp.AVG:
+                    if gloo is None or op is ops.ReduceOp.AVG:  # (gloo is there whenever asked for)
                         continue
-                    fn = lambda x: gloo.all_reduce(x, op)  # noqa: E731
+                    fn = functools.partial(gloo.all_reduce, op=op)
                 else:
-                    fn = lambda x, algo=algo: comm.all_reduce(x, op, algorithm=None if algo == "auto" else algo)  # noqa: E731
+                    fn = functools.partial(comm.all_reduce, op=op, algorithm=None if algo == "auto" else algo)
                 x = timing_input(count, dtype, op, rank)
                 warm, iters = iters_for(nbytes, args)
                 cpu0, wall0, box0 = time.process_time(), time.perf_counter(), box_cpu()
@@ -143,10 +146,8 @@ def run_rank(args: argparse.Namespace) -> int:
                 busy = _ranks_busy(comm, time.process_time() - cpu0, time.perf_counter() - wall0)
                 machine, steal = _machine_shares(comm, box0, box_cpu())
                 wrong = _check(fn, count, dtype, op, rank, world, comm) if args.check else -1
-                extra = route(comm, nbytes, algo) if algo != "gloo" else {"scheme": "flat", "inter": "ring"}
-                extra["ranks_busy"] = busy
-                extra["machine_busy"] = machine
-                extra["machine_steal"] = steal
+                how = route(comm, nbytes, algo) if algo != "gloo" else {"scheme": "flat", "inter": "ring"}
+                extra: dict[str, Any] = {**how, "ranks_busy": busy, "machine_busy": machine, "machine_steal": steal}
                 rows.append(report.Row.from_times("gloo" if algo == "gloo" else "redsock", algo, world, nbytes,
                                                   count, dtype.name, op.name.lower(), times, wrong, extra=extra))
                 progress.advance(f"{algo} {nbytes} B")

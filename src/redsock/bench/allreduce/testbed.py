@@ -41,15 +41,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ...errors import ConfigError, RedsockError
+from ...testbed import launch
 from ...testbed import netns as nx
 from ...testbed.cluster import Testbed
 from ...testbed.netns import format_rate, parse_rate
 from .. import report
-from ..procs import BoxCpu, box_cpu, cpu_shares, no_interrupts, terminate_as_interrupt
 from ..bounds import GOODPUT_FACTOR, host_nic_factor, ideal_over_gloo, link_goodput_GBps
-from ..testbed_launch import (BUSY_LIMIT, SERVER_PORT, Proc, cpu_line, proc_status,
-                             set_congestion_control, start_ranks, start_servers, stop, tail, tcp_counters, tcp_delta,
-                             tcp_line, wait_ranks)
+from ..procs import BUSY_LIMIT, BoxCpu, box_cpu, cpu_line, cpu_shares, proc_status
 from .options import child_argv
 
 # -- the summary -------------------------------------------------------------------
@@ -137,7 +135,7 @@ def _link_line(before: dict[str, dict[str, int]], after: dict[str, dict[str, int
             + "; ".join(parts))
 
 
-def reducer_cpu_line(servers: list[Proc], before: dict[str, dict[str, int]],
+def reducer_cpu_line(servers: list[launch.Proc], before: dict[str, dict[str, int]],
                      after: dict[str, dict[str, int]]) -> str:
     """The reducers' CPU cost per byte they summed: CPU-seconds of every reducer over the run
     per GiB that arrived on their links (tc's count, so frame headers included)."""
@@ -168,37 +166,37 @@ def run(args: argparse.Namespace) -> int:
     tb = Testbed(workers=args.workers, servers=servers, rate=rate, profile=args.profile, prefix=prefix)
     deadline = time.monotonic() + args.timeout
     rc = 1
-    with tempfile.TemporaryDirectory(prefix="redsock-bench-tb-") as tmp, terminate_as_interrupt():
+    with tempfile.TemporaryDirectory(prefix="redsock-bench-tb-") as tmp, launch.terminate_as_interrupt():
         logdir = Path(tmp)
         json_path = logdir / "rows.jsonl"
         argv = child_argv(args, str(json_path))
-        ranks: list[Proc] = []
-        server_procs: list[Proc] = []
+        ranks: list[launch.Proc] = []
+        server_procs: list[launch.Proc] = []
         relays: list[threading.Thread] = []
         try:
             print(f"# testbed {prefix}: building {args.workers} workers + {servers} reducers, "
                   f"{args.profile} links at {format_rate(rate)}; {args.ranks_per_host} rank(s) per worker, "
                   f"{args.workers * args.ranks_per_host} in all", flush=True)
             tb.up()
-            cc = set_congestion_control(tb, args.tcp_cc)
+            cc = launch.set_congestion_control(tb, args.tcp_cc)
             print(f"# TCP congestion control in the hosts: {cc}", flush=True)
-            server_procs = start_servers(tb, logdir, deadline)
+            server_procs = launch.start_servers(tb, logdir, deadline)
             children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-            links0, tcp0 = link_counters(tb), tcp_counters(tb)
+            links0, tcp0 = link_counters(tb), launch.tcp_counters(tb)
             cpu0 = {s.name: proc_status(s.proc.pid).get("cpu_s", 0.0) for s in server_procs}
             box0, t0 = box_cpu(), time.monotonic()
-            ranks, relays = start_ranks(tb, [sys.executable, "-m", "redsock", *argv], logdir,
+            ranks, relays = launch.start_ranks(tb, [sys.executable, "-m", "redsock", *argv], logdir,
                                         ranks_per_host=args.ranks_per_host)
-            why = wait_ranks(ranks, server_procs, deadline, args.timeout)
+            why = launch.wait_ranks(ranks, server_procs, deadline, args.timeout)
             wall = time.monotonic() - t0
             box1 = box_cpu()
             links1 = link_counters(tb)
             links = _link_line(links0, links1, wall)
-            links += "\n# TCP over the run, all hosts: " + tcp_line(tcp_delta(tcp0, tcp_counters(tb)))
+            links += "\n# TCP over the run, all hosts: " + launch.tcp_line(launch.tcp_delta(tcp0, launch.tcp_counters(tb)))
             for s in server_procs:  # read before they exit: the peak RSS dies with the process
                 s.info = proc_status(s.proc.pid)
                 s.info["cpu_s"] = s.info.get("cpu_s", 0.0) - cpu0.get(s.name, 0.0)  # during the run
-            stop(ranks)
+            launch.stop(ranks)
             for t in relays:
                 t.join(timeout=5)
             rc = _report(args, tb, ranks, server_procs, why, json_path, rate, servers, wall,
@@ -206,13 +204,13 @@ def run(args: argparse.Namespace) -> int:
             print(links)
             print(reducer_cpu_line(server_procs, links0, links1))
         finally:
-            with no_interrupts():
-                stop(ranks + server_procs)
+            with launch.no_interrupts():
+                launch.stop(ranks + server_procs)
                 tb.down()
     return rc
 
 
-def _report(args: argparse.Namespace, tb: Testbed, ranks: list[Proc], servers: list[Proc],
+def _report(args: argparse.Namespace, tb: Testbed, ranks: list[launch.Proc], servers: list[launch.Proc],
             why: str | None, json_path: Path, rate: int, nservers: int, wall: float,
             children0: Any, box0: BoxCpu, box1: BoxCpu) -> int:
     rc = 0
@@ -224,11 +222,11 @@ def _report(args: argparse.Namespace, tb: Testbed, ranks: list[Proc], servers: l
         if code != 0:
             rc = rc or (code if code and code > 0 else 1)
             if why is not None or code != 1:  # exit 1 alone from rank 0 means wrong elements
-                print(f"--- {p.name} (exit {code}) ---\n{tail(p.log) or '(no output)'}", file=sys.stderr)
+                print(f"--- {p.name} (exit {code}) ---\n{launch.tail(p.log) or '(no output)'}", file=sys.stderr)
     for s in servers:
         if s.proc.poll() is not None:
             rc = rc or 1
-            print(f"--- reducer {s.name} exited with {s.proc.returncode} ---\n{tail(s.log)}", file=sys.stderr)
+            print(f"--- reducer {s.name} exited with {s.proc.returncode} ---\n{launch.tail(s.log)}", file=sys.stderr)
     rows = report.read_json(json_path) if json_path.exists() else []
     if rows:
         meta = {"workers": tb.workers, "servers": nservers, "rate_bps": rate, "profile": tb.profile,
@@ -247,7 +245,7 @@ def _report(args: argparse.Namespace, tb: Testbed, ranks: list[Proc], servers: l
     for s in servers:
         info = s.info
         if info:
-            print(f"# reducer {s.name} ({tb.host_addr(s.name)}:{SERVER_PORT}): peak RSS "
+            print(f"# reducer {s.name} ({tb.host_addr(s.name)}:{launch.SERVER_PORT}): peak RSS "
                   f"{info.get('VmHWM', float('nan')):.1f} MiB, "
                   f"CPU during the run {info.get('cpu_s', float('nan')):.1f} s")
     children1 = resource.getrusage(resource.RUSAGE_CHILDREN)

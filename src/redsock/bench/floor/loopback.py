@@ -10,12 +10,13 @@ import statistics
 import struct
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 
-from ...config import parse_size
-from ...errors import ConfigError, PeerFailure
+from ...errors import PeerFailure
 from ..report import human_size
 
 _CONNECT_S = 180.0  # 9 processes importing torch on 2 cores take a while
@@ -41,6 +42,11 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise PeerFailure("floor: peer closed the connection")
         view = view[n:]
+
+
+def _times(n: int, fn: Callable[..., object], *args: Any) -> None:
+    for _ in range(n):
+        fn(*args)
 
 
 def run_threads(targets: list) -> None:
@@ -103,8 +109,8 @@ def _ring_rank(rank: int, world: int, sizes: list[int], warmup: int, iters: int,
                 send_buf[:] = it & 0xFF
                 dist.barrier()
                 t0 = time.perf_counter()
-                run_threads([lambda: [to_next.sendall(send_buf) for _ in range(steps)],
-                             lambda: [_recv_exact(from_prev, memoryview(recv_buf)) for _ in range(steps)]])
+                run_threads([lambda: _times(steps, to_next.sendall, send_buf.data),
+                             lambda: _times(steps, _recv_exact, from_prev, recv_buf.data)])
                 t_floor = time.perf_counter() - t0
                 if not (recv_buf == (it & 0xFF)).all():  # the bytes really moved
                     raise PeerFailure(f"floor: rank {rank} received wrong bytes in iteration {it}")
@@ -164,26 +170,40 @@ def run_ring(world: int, sizes: list[int], warmup: int, iters: int) -> list[dict
 
 # -------------------------------------------------------------------- fan-in
 
-def fanin_accept(srv: socket.socket, nworkers: int) -> list[socket.socket]:
-    """The fan-in reducer's connections, in rank order (each worker says its rank first)."""
-    conns: list[socket.socket | None] = [None] * nworkers
-    accepted = []
+def accept_n(srv: socket.socket, n: int, timeout_s: float, nodelay: bool = True,
+             on_accept: Callable[[socket.socket], None] | None = None) -> list[socket.socket]:
+    """``n`` connections off ``srv``, each with ``timeout_s`` on its I/O and handed to ``on_accept``
+    as it arrives; none left open on failure."""
+    accepted: list[socket.socket] = []
     try:
-        for _ in range(nworkers):
+        for _ in range(n):
             c, _ = srv.accept()
             accepted.append(c)
-            c.settimeout(_IO_TIMEOUT_S)
-            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = bytearray(4)
-            _recv_exact(c, memoryview(hello))
-            rank = struct.unpack("<i", hello)[0]
-            if not 0 <= rank < nworkers or conns[rank] is not None:
-                raise PeerFailure(f"floor: a worker said it is rank {rank} (of {nworkers}, or twice)")
-            conns[rank] = c
+            c.settimeout(timeout_s)
+            if nodelay:
+                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if on_accept is not None:
+                on_accept(c)
     except BaseException:
         for c in accepted:
             c.close()
         raise
+    return accepted
+
+
+def fanin_accept(srv: socket.socket, nworkers: int) -> list[socket.socket]:
+    """The fan-in reducer's connections, in rank order (each worker says its rank first)."""
+    conns: list[socket.socket | None] = [None] * nworkers
+
+    def place(c: socket.socket) -> None:  # as it arrives: a bad rank fails before the rest connect
+        hello = bytearray(4)
+        _recv_exact(c, memoryview(hello))
+        rank = struct.unpack("<i", hello)[0]
+        if not 0 <= rank < nworkers or conns[rank] is not None:
+            raise PeerFailure(f"floor: a worker said it is rank {rank} (of {nworkers}, or twice)")
+        conns[rank] = c
+
+    accept_n(srv, nworkers, _IO_TIMEOUT_S, on_accept=place)
     return conns  # type: ignore[return-value]
 
 

@@ -44,16 +44,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ...errors import ConfigError, PeerFailure
+from ...testbed import launch
 from ...testbed import netns as nx
 from ...testbed.cluster import Testbed
 from ...testbed.netns import format_rate, parse_rate
 from .. import report
 from ..allreduce.rank import B2B_ROUNDS
-from .loopback import fanin_call, fanin_join, fanin_reduce, run_threads
-from ..procs import box_cpu, cpu_shares, no_interrupts, terminate_as_interrupt
 from ..bounds import GOODPUT_FACTOR
-from ..testbed_launch import (Proc, child_env, set_congestion_control, start_ranks, start_servers,
-                             stop, tail, wait_ranks)
+from ..procs import box_cpu, cpu_shares
+from .loopback import accept_n, fanin_call, fanin_join, fanin_reduce, run_threads
 
 FLOOR_PORT = 7800
 _ACCEPT_S = 120.0
@@ -88,12 +87,9 @@ def reducer_main(host: str, port: int, workers: int, nbytes: int, iters: int) ->
     srv = socket.create_server((host, port))
     srv.settimeout(_ACCEPT_S)
     print("ready", flush=True)
-    conns = []
+    conns: list[socket.socket] = []
     try:
-        for _ in range(workers):
-            c, _ = srv.accept()
-            c.settimeout(_IO_S)
-            conns.append(c)
+        conns = accept_n(srv, workers, _IO_S, nodelay=False)
         jobs = []
         for c in conns:
             started = threading.Semaphore(0)
@@ -196,20 +192,20 @@ def run(args: argparse.Namespace, sizes: list[int], counts: list[int]) -> int:
 
 @contextmanager
 def _testbed(workers: int, servers: int, rate: int, prefix: str, tcp_cc: str
-             ) -> Iterator[tuple[Testbed, Path, list[Proc]]]:
+             ) -> Iterator[tuple[Testbed, Path, list[launch.Proc]]]:
     """A testbed up, a log folder and a list for the processes started in it: all of them
     stopped and the testbed torn down however the body ends (errors, Ctrl-C, SIGTERM)."""
     tb = Testbed(workers=workers, servers=servers, rate=rate, prefix=prefix)
-    procs: list[Proc] = []
-    with tempfile.TemporaryDirectory(prefix="redsock-floor-tb-") as tmp, terminate_as_interrupt():
+    procs: list[launch.Proc] = []
+    with tempfile.TemporaryDirectory(prefix="redsock-floor-tb-") as tmp, launch.terminate_as_interrupt():
         try:
             tb.up()
             print(f"# testbed {prefix}: {workers} workers + {servers} reducers, links at {format_rate(rate)}; "
-                  f"TCP {set_congestion_control(tb, tcp_cc)}", flush=True)
+                  f"TCP {launch.set_congestion_control(tb, tcp_cc)}", flush=True)
             yield tb, Path(tmp), procs
         finally:
-            with no_interrupts():
-                stop(procs)
+            with launch.no_interrupts():
+                launch.stop(procs)
                 tb.down()
 
 
@@ -249,7 +245,7 @@ def _run_fanin(args: argparse.Namespace, counts: list[int], rate: int) -> list[d
         servers = args.servers if args.servers is not None else n
         floors, runs = [], []
         with _testbed(n, servers, rate, f"{base}n{n}", args.tcp_cc) as (tb, logdir, procs):
-            reducers = start_servers(tb, logdir, time.monotonic() + args.timeout)
+            reducers = launch.start_servers(tb, logdir, time.monotonic() + args.timeout)
             procs.extend(reducers)
             for turn in range(FANIN_TURNS):
                 floors.append(_fanin_floor(tb, warmup, calls, args, logdir, procs, turn))
@@ -297,7 +293,7 @@ def _row(size: int, workers: int, servers: int, rate: int, floor_s: float, gloo_
             "max_x_gloo": gloo_s / floor_s, "ideal": 2 * (workers - 1) / workers}
 
 
-def _plain_run(tb: Testbed, args: argparse.Namespace, logdir: Path, procs: list[Proc], what: str,
+def _plain_run(tb: Testbed, args: argparse.Namespace, logdir: Path, procs: list[launch.Proc], what: str,
                reducers: list[tuple[str, list[str]]], workers: list[tuple[str, list[str]]]) -> list[dict]:
     """Run plain-socket reducers (this module's roles; each says "ready"), then workers (each
     writes its JSON to a path added to its arguments) on their hosts; the workers' JSON."""
@@ -306,39 +302,39 @@ def _plain_run(tb: Testbed, args: argparse.Namespace, logdir: Path, procs: list[
     for name, argv in reducers:
         log = logdir / f"{what}-{name}.log"
         with log.open("w") as err:
-            p = tb.popen(name, [*me, *argv], stdout=subprocess.PIPE, stderr=err, text=True, env=child_env({}),
+            p = tb.popen(name, [*me, *argv], stdout=subprocess.PIPE, stderr=err, text=True, env=launch.child_env({}),
                          start_new_session=True)
-        started.append(Proc(name, p, log))
+        started.append(launch.Proc(name, p, log))
     procs.extend(started)
     for r in started:
         if r.proc.stdout is None or r.proc.stdout.readline().strip() != "ready":
-            raise PeerFailure(f"{what} reducer {r.name} did not start: {tail(r.log)}")
+            raise PeerFailure(f"{what} reducer {r.name} did not start: {launch.tail(r.log)}")
     outs, running = [], []
     for name, argv in workers:
         out, log = logdir / f"{what}-{name}.json", logdir / f"{what}-{name}.log"
         with log.open("w") as err:
-            p = tb.popen(name, [*me, *argv, str(out)], stderr=err, env=child_env({}), start_new_session=True)
-        running.append(Proc(name, p, log))
+            p = tb.popen(name, [*me, *argv, str(out)], stderr=err, env=launch.child_env({}), start_new_session=True)
+        running.append(launch.Proc(name, p, log))
         outs.append(out)
     procs.extend(running)
     # Reducers exit when their rounds are done; a reducer that dies early closes its
     # sockets, and the workers fail on that at once.
-    why = wait_ranks(running, [], time.monotonic() + args.timeout, args.timeout)
+    why = launch.wait_ranks(running, [], time.monotonic() + args.timeout, args.timeout)
     # A worker is done once its last bytes are back, a moment before their reducer has closed
     # its sockets and exited: wait for that (stopping it first made it fail on a loaded machine).
     end = time.monotonic() + _EXIT_S
     while not why and time.monotonic() < end and any(r.proc.poll() is None for r in started):
         time.sleep(0.05)
-    stop(started)
+    launch.stop(started)
     bad = [p for p in running + started if p.proc.returncode != 0]
     if why or bad:
-        who = f"{bad[0].name} exited with {bad[0].proc.returncode}: {tail(bad[0].log)}" if bad else ""
+        who = f"{bad[0].name} exited with {bad[0].proc.returncode}: {launch.tail(bad[0].log)}" if bad else ""
         raise PeerFailure(f"{what} run failed: {why or ''} {who}".strip())
     return [json.loads(o.read_text()) for o in outs]
 
 
 def _floor(tb: Testbed, size: int, args: argparse.Namespace, logdir: Path,
-           procs: list[Proc]) -> tuple[float, float, float]:
+           procs: list[launch.Proc]) -> tuple[float, float, float]:
     """Median time of the floor's iterations (slowest worker each), and how busy the machine
     was (and of that, stolen)."""
     nbytes = size // tb.servers
@@ -353,7 +349,7 @@ def _floor(tb: Testbed, size: int, args: argparse.Namespace, logdir: Path,
 
 
 def _fanin_floor(tb: Testbed, warmup: int, calls: int, args: argparse.Namespace, logdir: Path,
-                 procs: list[Proc], turn: int) -> dict:
+                 procs: list[launch.Proc], turn: int) -> dict:
     """The plain-socket fan-in through s0: time per call (slowest worker per block, median
     of the blocks) and how busy the machine was (and of that, stolen)."""
     host = tb.server_names[0]
@@ -369,35 +365,35 @@ def _fanin_floor(tb: Testbed, warmup: int, calls: int, args: argparse.Namespace,
 
 
 def _fanin_reducers(tb: Testbed, warmup: int, calls: int, args: argparse.Namespace, logdir: Path,
-                    procs: list[Proc], reducers: list[Proc], turn: int) -> dict[str, report.Row]:
+                    procs: list[launch.Proc], reducers: list[launch.Proc], turn: int) -> dict[str, report.Row]:
     """redsock's 8-byte all-reduce through the reduction servers, and gloo's, timed as the
     fan-in floor is: rank 0's rows by algorithm."""
     out = logdir / f"fanin-redsock-{turn}.jsonl"
     cmd = [sys.executable, "-m", "redsock", "bench", "allreduce", "-b", "8", "-e", "8", "--algo", "server,gloo",
            "--back-to-back", "-n", str(calls), "-w", str(warmup), "--json", str(out), "--no-progress"]
-    ranks, relays = start_ranks(tb, cmd, logdir, tag=f"-fanin{turn}")
+    ranks, relays = launch.start_ranks(tb, cmd, logdir, tag=f"-fanin{turn}")
     procs.extend(ranks)
-    why = wait_ranks(ranks, reducers, time.monotonic() + args.timeout, args.timeout)
+    why = launch.wait_ranks(ranks, reducers, time.monotonic() + args.timeout, args.timeout)
     for t in relays:
         t.join(timeout=5)
     rows = {r.algo: r for r in report.read_json(out)} if out.exists() else {}
     if why or set(rows) != {"server", "gloo"}:
-        raise PeerFailure(f"reducers' fan-in run failed: {why or 'no result'} {tail(ranks[0].log)}".strip())
+        raise PeerFailure(f"reducers' fan-in run failed: {why or 'no result'} {launch.tail(ranks[0].log)}".strip())
     return rows
 
 
-def _gloo(tb: Testbed, size: int, args: argparse.Namespace, logdir: Path, procs: list[Proc]) -> float:
+def _gloo(tb: Testbed, size: int, args: argparse.Namespace, logdir: Path, procs: list[launch.Proc]) -> float:
     out = logdir / f"gloo-{size}.jsonl"
     cmd = [sys.executable, "-m", "redsock", "bench", "allreduce", "-b", str(size), "-e", str(size), "--algo", "gloo",
            "-n", str(args.iters), "-w", str(args.warmup), "--json", str(out), "--no-progress"]
-    ranks, relays = start_ranks(tb, cmd, logdir, tag=f"-gloo{size}")
+    ranks, relays = launch.start_ranks(tb, cmd, logdir, tag=f"-gloo{size}")
     procs.extend(ranks)
-    why = wait_ranks(ranks, [], time.monotonic() + args.timeout, args.timeout)
+    why = launch.wait_ranks(ranks, [], time.monotonic() + args.timeout, args.timeout)
     for t in relays:
         t.join(timeout=5)
     rows = report.read_json(out) if out.exists() else []
     if why or not rows:
-        raise PeerFailure(f"gloo run failed: {why or 'no result'} {tail(ranks[0].log)}".strip())
+        raise PeerFailure(f"gloo run failed: {why or 'no result'} {launch.tail(ranks[0].log)}".strip())
     return rows[0].median_s
 
 

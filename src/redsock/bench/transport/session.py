@@ -5,8 +5,8 @@ driver (``--listen``, ``--connect``, ``--local``); the testbed mode drives the s
 from __future__ import annotations
 
 import argparse
-import logging
 import json
+import logging
 import os
 import signal
 import socket
@@ -90,7 +90,7 @@ def _serve_one(conn) -> None:
     buf = np.empty(max([c["bytes"] for c in plan["cases"]] + [1]), np.uint8)
     ack = np.zeros(1, np.uint8)
     for case in plan["cases"]:
-        view = memoryview(buf)[: case["bytes"]]
+        view = buf.data[: case["bytes"]]
         for _ in range(case["reps"]):
             if case["mode"] == "throughput":
                 _many(conn, "recv", view, case["iters"], DATA_TAG)
@@ -110,6 +110,7 @@ def serve(host: str, port: int, config: Config, sessions: int | None = None) -> 
         print(f"listening on {host}:{port} (redsock) and {host}:{port + 1} (plain)", flush=True)
         served = 0
         while sessions is None or served < sessions:
+            conn: Any  # a redsock Connection or the plain baseline's _PlainConn: the same calls
             try:
                 conn = listener.accept(timeout=0.2)
             except Exception:
@@ -138,7 +139,7 @@ def drive(conn, cases: list[dict]) -> list[dict]:
     ack = np.zeros(1, np.uint8)
     results = []
     for case in cases:
-        view = memoryview(buf)[: case["bytes"]]
+        view = buf.data[: case["bytes"]]
         times = []
         for _ in range(case["reps"]):
             if case["mode"] == "throughput":

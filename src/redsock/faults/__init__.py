@@ -5,7 +5,7 @@ through the reducers)} x faults {worker
 SIGKILL, worker SIGSTOP, worker host's link down, worker host's link down for 3 s then up,
 reducer SIGTERM, reducer SIGKILL, reducer host's link down} (reducer faults where reducers are
 used, once more with ``REDSOCK_SERVER_FALLBACK=ring``), on one emulated cluster: worker hosts
-``w0..w2`` and reducer host ``s0``.  A cell runs :mod:`redsock.bench.fault_job` on every rank
+``w0..w2`` and reducer host ``s0``.  A cell runs :mod:`redsock.faults.job` on every rank
 (repeated all-reduces checked against a closed form), injects the fault once every rank has
 finished its first step and a little more, and expects:
 
@@ -35,12 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Sequence
 
+from ..bench.procs import box_cpu, cpu_shares
+from ..config import parse_size
 from ..errors import ConfigError, RedsockError
 from ..testbed import netns as nx
 from ..testbed.cluster import RankSlot, Testbed, cleanup_prefix, list_prefix_netns, place_ranks
+from ..testbed.launch import SERVER_PORT, Proc, child_env, rank_env, start_servers, stop
 from ..transport.shm import ARENA_DIR, ARENA_PREFIX
-from .procs import box_cpu, cpu_shares
-from .testbed_launch import SERVER_PORT, Proc, child_env, rank_env, start_servers, stop
 
 __all__ = ["ALGOS", "FAULTS", "Cell", "Outcome", "add_arguments", "matrix", "run", "run_cell", "run_matrix",
            "table"]
@@ -84,6 +85,14 @@ class Cell:
     algo: str
     fault: str
     fallback: bool = False
+    hosts: int = 0      # worker hosts; 0: the algorithm's default (ALGOS)
+    elements: int = 0   # float32 elements per all-reduce; 0: the algorithm's default
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(float32 elements per all-reduce, worker hosts)."""
+        _, count, _, hosts = ALGOS[self.algo]
+        return self.elements or count, self.hosts or hosts
 
     @property
     def name(self) -> str:
@@ -95,8 +104,8 @@ class Cell:
         return self.fault == "flap" or (self.fallback and self.fault in REDUCER_FAULTS)
 
     def slots(self) -> list[RankSlot]:
-        _, _, per_host, hosts = ALGOS[self.algo]
-        return place_ranks([f"w{i}" for i in range(hosts)], per_host)
+        _, _, per_host, _ = ALGOS[self.algo]
+        return place_ranks([f"w{i}" for i in range(self.shape[1])], per_host)
 
     def victims(self) -> list[int]:
         """The ranks the fault takes out: the victim host's first rank for a process fault, all of
@@ -107,9 +116,13 @@ class Cell:
         return on_host if self.fault == "link" else []
 
 
-def matrix(algos: Sequence[str] = DEFAULT_ALGOS, faults: Sequence[str] = tuple(FAULTS)) -> list[Cell]:
+def matrix(algos: Sequence[str] = DEFAULT_ALGOS, faults: Sequence[str] = tuple(FAULTS), hosts: int = 0,
+           elements: int = 0) -> list[Cell]:
     """The cells for ``algos`` x ``faults``: reducer faults only with reducers, and those once
-    without and once with the ring fallback."""
+    without and once with the ring fallback.  ``hosts``/``elements``: another shape than the
+    algorithms' own (0: theirs)."""
+    if hosts and hosts < 2:
+        raise ConfigError(f"--hosts must be at least 2 (the victim is w1), got {hosts}")
     cells = []
     for a in algos:
         if a not in ALGOS:
@@ -119,8 +132,8 @@ def matrix(algos: Sequence[str] = DEFAULT_ALGOS, faults: Sequence[str] = tuple(F
                 raise ConfigError(f"unknown fault {f!r}; one of {', '.join(FAULTS)}")
             if f in REDUCER_FAULTS and a not in USES_REDUCER:
                 continue
-            cells.append(Cell(a, f))
-    cells += [Cell(c.algo, c.fault, True) for c in cells if c.fault in REDUCER_FAULTS]
+            cells.append(Cell(a, f, hosts=hosts, elements=elements))
+    cells += [Cell(c.algo, c.fault, True, hosts, elements) for c in cells if c.fault in REDUCER_FAULTS]
     return cells
 
 
@@ -187,8 +200,9 @@ def _wait_exit(procs: Sequence[subprocess.Popen[Any]], deadline: float) -> None:
 
 def run_cell(tb: Testbed, cell: Cell, timeout_s: float, logdir: Path, port: int,
              fault_after_s: float = 1.0, start_s: float = 60.0) -> Outcome:
-    """Run one cell on ``tb`` (which has worker hosts w0..w2 and reducer host s0) and judge it."""
-    algo, count, _, _ = ALGOS[cell.algo]
+    """Run one cell on ``tb`` (which has the cell's worker hosts w0.. and reducer host s0) and judge it."""
+    algo = ALGOS[cell.algo][0]
+    count = cell.shape[0]
     slots = cell.slots()
     world = len(slots)
     uses_reducer = cell.algo in USES_REDUCER
@@ -212,7 +226,7 @@ def run_cell(tb: Testbed, cell: Cell, timeout_s: float, logdir: Path, port: int,
             env = rank_env(tb, slot, world, port)
             if not uses_reducer:
                 env.pop("REDSOCK_SERVERS", None)
-            argv = [sys.executable, "-m", "redsock.bench.fault_job", "--steps", str(steps), "--count", str(count),
+            argv = [sys.executable, "-m", "redsock.faults.job", "--steps", str(steps), "--count", str(count),
                     "--algo", algo, "--pause", str(pause)]
             err = (cell_dir / f"{slot.label}.err").open("w")
             proc = tb.popen(slot.host, argv, env=child_env({**env, **extra}), stdout=subprocess.PIPE, stderr=err,
@@ -231,10 +245,8 @@ def run_cell(tb: Testbed, cell: Cell, timeout_s: float, logdir: Path, port: int,
         # -- the fault
         victim_rank = next((r for r in ranks if r.slot.rank in victims), None)
         t_fault = time.time()
-        if cell.fault == "kill":
-            victim_rank.proc.send_signal(signal.SIGKILL)
-        elif cell.fault == "stop":
-            victim_rank.proc.send_signal(signal.SIGSTOP)
+        if cell.fault in ("kill", "stop") and victim_rank is not None:  # (a rank fault always names one)
+            victim_rank.proc.send_signal(signal.SIGKILL if cell.fault == "kill" else signal.SIGSTOP)
         elif cell.fault in ("link", "flap"):
             _set_link(tb, VICTIM_HOST, False)
             cut = True
@@ -384,13 +396,14 @@ def table(outcomes: Sequence[Outcome]) -> str:
 
 
 def run_matrix(cells: Sequence[Cell], timeout_s: float, prefix: str, rate: str = "1gbit",
-               logdir: Path | None = None, out: IO[str] = sys.stdout) -> tuple[list[Outcome], list[str]]:
+               logdir: Path | None = None, out: IO[str] = sys.stdout,
+               servers: int = 1) -> tuple[list[Outcome], list[str]]:
     """Build the cluster, run ``cells`` one after another, tear it down.  Returns the outcomes
     and what was left behind at the end (namespaces of the prefix)."""
     nx.require_root("redsock testbed faults")
     logdir = Path(logdir or tempfile.mkdtemp(prefix="redsock-faults-"))
     outcomes: list[Outcome] = []
-    tb = Testbed(workers=3, servers=1, rate=rate, prefix=prefix)
+    tb = Testbed(workers=max(c.shape[1] for c in cells), servers=servers, rate=rate, prefix=prefix)
     try:
         tb.up()
         for hostname in tb.hosts:  # bbr collapses through tbf with no delay (DESIGN.md section 6)
@@ -417,16 +430,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fallback", action="store_true", help="skip the REDSOCK_SERVER_FALLBACK=ring cells")
     p.add_argument("--timeout", type=float, default=6.0, help="REDSOCK_TIMEOUT_S of the jobs (default 6)")
     p.add_argument("--rate", default="1gbit", help="link rate (default 1gbit)")
+    p.add_argument("--hosts", type=int, default=0,
+                   help="worker hosts (default: each algorithm's own, 3 flat, 2 hierarchical)")
+    p.add_argument("--servers", type=int, default=1,
+                   help="reducer hosts s0.. (default 1; reducer faults hit s0)")
+    p.add_argument("--size", default=None,
+                   help="bytes per all-reduce, e.g. 8M (default: each algorithm's own, 1M, small 1K)")
     p.add_argument("--prefix", default="rsflt", help="namespace prefix (default rsflt)")
     p.add_argument("--logdir", type=Path, help="where the ranks' and reducers' logs go (default: a temp dir)")
 
 
 def run(args: argparse.Namespace) -> int:
-    cells = matrix([a for a in args.algos.split(",") if a], [f for f in args.faults.split(",") if f])
+    elements = parse_size(args.size) // 4 if args.size else 0
+    if args.size and elements < 1:
+        raise ConfigError(f"--size must be at least 4 bytes (one float32), got {args.size!r}")
+    if args.servers < 1:
+        raise ConfigError(f"--servers must be at least 1, got {args.servers}")
+    cells = matrix([a for a in args.algos.split(",") if a], [f for f in args.faults.split(",") if f],
+                   args.hosts, elements)
     if args.no_fallback:
         cells = [c for c in cells if not c.fallback]
     t0, cpu0 = time.monotonic(), box_cpu()
-    outcomes, left = run_matrix(cells, args.timeout, args.prefix, args.rate, args.logdir)
+    outcomes, left = run_matrix(cells, args.timeout, args.prefix, args.rate, args.logdir, servers=args.servers)
     busy, steal = cpu_shares(cpu0, box_cpu())
     print()
     print(table(outcomes))

@@ -1,6 +1,6 @@
-"""One rank of a fault-matrix cell (:mod:`redsock.bench.faults`): repeated checked all-reduces.
+"""One rank of a fault-matrix cell (:mod:`redsock.faults`): repeated checked all-reduces.
 
-``python -m redsock.bench.fault_job --steps N --count C --algo A --pause S`` under the torchrun
+``python -m redsock.faults.job --steps N --count C --algo A --pause S`` under the torchrun
 variables.  Step ``i`` all-reduces ``C`` float32 values ``(rank + 1) * (1 + i % 5)`` and checks
 every element against the closed form ``W(W+1)/2 * (1 + i % 5)`` (exact in float32).  It prints
 one JSON line per event on stdout, with the wall-clock time ``t`` (every rank runs on this
@@ -34,7 +34,7 @@ def expected(world: int, step: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m redsock.bench.fault_job")
+    p = argparse.ArgumentParser(prog="python -m redsock.faults.job")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--count", type=int, required=True, help="float32 elements per all-reduce")
     p.add_argument("--algo", required=True, help="all-reduce algorithm (ring, small, server, hier)")

@@ -1,27 +1,30 @@
-"""Starting and watching processes in the emulated cluster's hosts, shared by the testbed benchmarks.
+"""Starting and watching processes in the emulated cluster's hosts (the testbed benchmarks' launcher).
 
 Reducers (``redsock serve``) on the reducer hosts, torchrun-style ranks on the
 worker hosts (one or several per host, rank 0's output relayed live), waiting
 with a deadline that names the process that failed, stopping everything; plus
-the machine-wide CPU counter, the hosts' TCP congestion control and their TCP
-retransmission counters.  The bounds the benchmarks report against are in :mod:`.bounds`.
+the hosts' TCP congestion control and their TCP retransmission counters, and the
+signal guards that keep a testbed from being left behind.  The worker programs are
+started as commands (``python -m redsock ...``), never imported.
 """
 
 from __future__ import annotations
 
 import os
-import re
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from ..errors import RedsockError
-from ..testbed import netns as nx
-from ..testbed.cluster import RankSlot, Testbed
+from . import netns as nx
+from .cluster import RankSlot, Testbed
 
 MASTER_PORT = 29500
 SERVER_PORT = 7700
@@ -36,45 +39,11 @@ class Proc:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def cpu_line(wall_s: float, rank_cpu_s: float, server_cpu_s: float, busy: float, steal: float) -> str:
-    """The testbed benchmarks' CPU line; reproduce and ``plan --lab`` read it back from their
-    logs with :data:`CPU_SHARE_RE` and :data:`MACHINE_BUSY_RE`."""
-    ncpu = os.cpu_count() or 1
-    return (f"# CPU over {wall_s:.1f} s: ranks {rank_cpu_s:.1f} s, reducers {server_cpu_s:.1f} s "
-            f"(= {100 * (rank_cpu_s + server_cpu_s) / (wall_s * ncpu):.0f}% of {ncpu} cores); "
-            f"whole machine busy {100 * busy:.0f}% (includes anything else running, and {100 * steal:.0f}% "
-            "stolen by the hypervisor)")
-
-
-#: A benchmark that kept the whole machine this busy measured its cores, not its links (the
-#: lab's rule: ``plan --lab`` classes such rows CPU-bound, the testbed tables print the share).
-BUSY_LIMIT = 0.75
-#: In :func:`cpu_line`: the CPU the benchmark's own processes used, % of all cores.
-CPU_SHARE_RE = re.compile(r"\(= (\d+)% of \d+ cores\)")
-#: In :func:`cpu_line`: how busy the whole machine was, %.
-MACHINE_BUSY_RE = re.compile(r"whole machine busy (\d+)%")
-
-
 def tail(path: Path, n: int = 3000) -> str:
     try:
         return path.read_text(errors="replace")[-n:].strip()
     except OSError:
         return ""
-
-
-def proc_status(pid: int) -> dict[str, float]:
-    """Peak RSS (VmHWM, MiB) and CPU seconds so far of a live process, from /proc."""
-    out: dict[str, float] = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(("VmHWM:", "VmRSS:")):
-                out[line.split(":")[0]] = int(line.split()[1]) / 1024
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        tick = os.sysconf("SC_CLK_TCK")
-        out["cpu_s"] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    except (OSError, IndexError, ValueError):
-        pass
-    return out
 
 
 def set_congestion_control(tb: Testbed, name: str | None) -> str:
@@ -242,3 +211,39 @@ def stop(procs: list[Proc]) -> None:
         except subprocess.TimeoutExpired:
             p.proc.kill()
             p.proc.wait(timeout=5)
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM/SIGHUP raise KeyboardInterrupt, so the testbed's ``finally`` runs for them too."""
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        for s in old:
+            signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        if in_main:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+@contextmanager
+def no_interrupts() -> Iterator[None]:
+    """Hold off Ctrl-C / SIGTERM while tearing down, so a second one cannot leave namespaces."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.getsignal(s) for s in sigs}
+    for s in sigs:
+        signal.signal(s, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -300,6 +300,9 @@ def auto_matrix(comm, rank, world):
     expect = os.environ.get("TEST_EXPECT_HIER")
     if expect is not None:
         assert (comm.hier is not None) == (expect == "1"), f"hierarchy {comm.hier} but expected {expect}"
+    path = os.environ.get("TEST_EXPECT_PATH")  # how a large all-reduce moves data inside the host
+    if path is not None:
+        assert comm.hier.local_path(4 << 20) == path, f"{comm.hier.local_path(4 << 20)} but expected {path}"
     for opname in OPS:
         op = ops.ReduceOp.parse(opname)
         for dname in DTYPES:
@@ -437,6 +440,20 @@ def wire_mismatch(comm, rank, world):
     raise AssertionError(f"a wire mismatch went unnoticed: {x[:4]}")
 
 
+def _refuse_cross_memory_attach() -> None:
+    """This rank's kernel refuses process_vm_readv, as ptrace scope or a container may."""
+    import ctypes
+    import errno
+
+    from redsock.transport import shm
+
+    def refused(*_):
+        ctypes.set_errno(errno.EPERM)
+        return -1
+
+    shm._vm_readv = refused
+
+
 def main():
     """``STORE`` is a directory (redsock's FileStore: no torch import, so ranks start in well
     under a second) or the port of a torch TCPStore."""
@@ -447,6 +464,8 @@ def main():
         store = TCPStore("127.0.0.1", int(store_at), world, is_master=False, timeout=timedelta(seconds=60))
     else:
         store = FileStore(store_at)
+    if os.environ.get("TEST_REFUSE_CMA") == str(rank):
+        _refuse_cross_memory_attach()
     with redsock.init(rank, world, store, timeout_s=float(os.environ.get("TEST_TIMEOUT_S", "30"))) as comm:
         globals()[scenario](comm, rank, world)
     print("ok", flush=True)

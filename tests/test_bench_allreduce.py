@@ -103,6 +103,7 @@ def test_tiled_inputs_and_references_follow_their_closed_form(dtype, op):
     (["--nprocs", "2", "-d", "complex64"], "unsupported dtype 'complex64'"),
     (["--nprocs", "2", "--algo", "auto,warp"], "unknown --algo 'warp'"),
     (["--nprocs", "2", "-n", "0"], "need -n >= 1"),
+    (["--nprocs", "2", "--peer", "mpi"], "--peer mpi times float32 sum with --back-to-back against one"),
 ])
 def test_launcher_refuses_bad_options_once_before_starting_ranks(argv, says):
     """One clear line from the launcher (exit 2), not one per rank after N interpreters started."""
@@ -191,3 +192,25 @@ def test_ddp_runs_redsock_buckets_through_the_compress_hook_on_the_wire():
     assert argv[argv.index("--hook") + 1] == "compress" and argv[argv.index("--wire") + 1] == "fp16"
     assert "--hook" not in ddp_testbed._train_argv(args, "gloo")
     assert "--hook" not in ddp_testbed._train_argv(p.parse_args(["--testbed"]), "redsock")
+
+
+def test_peer_mpi_puts_open_mpis_time_beside_redsocks(tmp_path):
+    """4 local ranks, then Open MPI's shared-memory all-reduce on the same sizes: one line per
+    size with both times (redsock's as its JSON row says), their ratio, the in-host path
+    (the whole buffer up to 128 KiB for 4 ranks, then one copy each way by cross-memory attach) and
+    the machine's busy share while each was timed."""
+    out = tmp_path / "rows.jsonl"
+    r = subprocess.run([sys.executable, "-m", "redsock", "bench", "allreduce", "--nprocs", "4", "-b", "8", "-e", "1M",
+                        "-f", "256", "--algo", "auto", "--back-to-back", "-n", "20", "-w", "2", "--no-progress",
+                        "--peer", "mpi", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "REDSOCK_SHM_CMA": "auto"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {row["bytes"]: row for row in map(json.loads, out.read_text().splitlines())}
+    table = r.stdout.split("redsock against Open MPI shared memory")[1].split("\n", 1)[1]
+    lines = [line.split() for line in table.splitlines() if line and not line.startswith("#")]
+    assert [int(cells[0]) for cells in lines] == [8, 2048, 524288] == sorted(rows)
+    for size, ours, mpi, ratio, path, *busy in lines:
+        assert float(ours) == pytest.approx(rows[int(size)]["median_s"] * 1e6, abs=0.06)
+        assert float(ratio[:-1]) == pytest.approx(float(ours) / float(mpi), rel=0.01, abs=0.006)
+        assert path == rows[int(size)]["extra"]["path"] == ("cma" if int(size) > 131072 else "whole")
+        assert all(0 <= float(b.strip("%,")) <= 100 for b in busy)

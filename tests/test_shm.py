@@ -52,10 +52,21 @@ def _check_world(outs, world):
 def test_every_op_and_dtype_through_shared_memory(world):
     """1, 2 and 3 peers on one host: every op x dtype x size (several pieces) against numpy,
     bitwise identical on every rank, then reduce-scatter, all-gather, broadcast, barrier,
-    async calls; nothing left in /dev/shm."""
+    async calls; nothing left in /dev/shm.  Large all-reduces go by cross-memory attach."""
     before = _arenas()
-    outs = run_world("auto_matrix", world, env={"TEST_EXPECT_HIER": "1"})
+    outs = run_world("auto_matrix", world,
+                     env={"TEST_EXPECT_HIER": "1", "TEST_EXPECT_PATH": "cma", "REDSOCK_SHM_CMA": "auto"})
     _check_world(outs, world)
+    assert _arenas() <= before
+
+
+@pytest.mark.parametrize("env", [{"REDSOCK_SHM_CMA": "off"}, {"TEST_REFUSE_CMA": "2", "REDSOCK_SHM_CMA": "auto"}], ids=["off", "refused"])
+def test_large_all_reduces_go_through_the_arena_without_cross_memory_attach(env):
+    """Switched off, or refused by one rank's kernel (every rank then agrees on the arena):
+    the same matrix, right and bitwise identical, through the arena."""
+    before = _arenas()
+    outs = run_world("auto_matrix", 3, env={"TEST_EXPECT_HIER": "1", "TEST_EXPECT_PATH": "arena", **env})
+    _check_world(outs, 3)
     assert _arenas() <= before
 
 
@@ -73,14 +84,16 @@ def test_mismatched_calls_on_one_host_raise_clearly(differs):
         assert "different dtype, size or op" in out, out
 
 
-@pytest.mark.parametrize("count", [2, 8 << 20])
-def test_killed_local_rank_makes_the_others_raise_peer_failure(count):
-    """kill -9 of a rank mid-collective (small and large all-reduces): the others raise
-    PeerFailure naming it, quickly (its pidfd wakes them), and no arena is left behind."""
+@pytest.mark.parametrize("count, cma", [(2, "auto"), (8 << 20, "auto"), (8 << 20, "off")])
+def test_killed_local_rank_makes_the_others_raise_peer_failure(count, cma):
+    """kill -9 of a rank mid-collective (small and large all-reduces, by cross-memory attach
+    and through the arena): the others raise PeerFailure naming it, quickly (its pidfd wakes
+    them, or the kernel says it is gone), and no arena is left behind."""
     world = 4
     before = _arenas()
     t0 = time.monotonic()
-    outs = run_world("dies_auto", world, timeout=60, env={"TEST_TIMEOUT_S": "20", "TEST_COUNT": str(count)})
+    outs = run_world("dies_auto", world, timeout=60,
+                     env={"TEST_TIMEOUT_S": "20", "TEST_COUNT": str(count), "REDSOCK_SHM_CMA": cma})
     assert time.monotonic() - t0 < 30
     assert outs[-1][0] == -9  # it really died
     for r, (code, out, err) in enumerate(outs[:-1]):

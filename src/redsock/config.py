@@ -99,6 +99,12 @@ class Config:
     #: Shared memory among the ranks of one host: "auto" (used whenever a host runs several
     #: ranks) or "off" (every collective over Fast Socket).
     shm: str = "auto"
+    #: Large all-reduces on one host read and write the peers' buffers directly, one copy each
+    #: way (Linux cross-memory attach, ``process_vm_readv``/``writev``): "auto" (where the kernel
+    #: allows it; else through the arena) or "off" (through the shared arena, one copy more).
+    #: Off by default: on a quiet 2-core machine, 4 ranks, the arena was as fast or faster
+    #: (1 MiB 664 us against 1068, 2 MiB 1017 against 1841, 4-64 MiB within 10% either way).
+    shm_cma: str = "off"
     #: Hierarchical collectives across hosts (reduce inside each host over shared memory, one
     #: shard per local rank between hosts): "auto" (whenever a host runs several ranks) or "off"
     #: (flat algorithms between hosts; a single-host job still uses shared memory).
@@ -144,6 +150,7 @@ class Config:
         check(self.algo in ALGOS, f"algo must be one of {ALGOS}, got {self.algo!r}")
         check(self.piece_bytes >= SMALLEST_PIECE_BYTES, f"piece_bytes must be >= {SMALLEST_PIECE_BYTES // KiB} KiB, got {self.piece_bytes}")
         check(self.shm in SWITCHES, f"shm must be one of {SWITCHES}, got {self.shm!r}")
+        check(self.shm_cma in SWITCHES, f"shm_cma must be one of {SWITCHES}, got {self.shm_cma!r}")
         check(self.hierarchy in SWITCHES, f"hierarchy must be one of {SWITCHES}, got {self.hierarchy!r}")
         check(self.wire_dtype in WIRE_DTYPES, f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
         check(self.server_fallback in FALLBACKS, f"server_fallback must be one of {FALLBACKS}")

@@ -56,9 +56,20 @@ LOCAL_PIECE_BYTES = 1 * MiB
 #: throughout took 1.485 s, but cost the reducers 6.7 CPU-s/GiB instead of 5.3, and 1 MiB
 #: pieces at 300 Mbit/s fell from 1.5x to 1.2x gloo.
 PIPELINE_RAMP = 8
-#: Up to this size a single-host all-reduce has every rank reduce the whole buffer (one
-#: synchronisation instead of two), and a multi-host one sends a single shard between hosts.
+#: Up to this size a multi-host all-reduce sends a single shard between hosts.
 WHOLE_MAX_BYTES = 64 * KiB
+#: A single-host all-reduce has every rank reduce the whole buffer from the arena (one
+#: synchronisation) while the L rows it reads, L x the buffer, fit in half the L2 cache (1 MiB
+#: per core here); larger ones are sharded (two synchronisations, :meth:`Hierarchy._all_reduce_direct`).
+#: 4 ranks on 2 cores shared with other jobs (load 14-18), 100 back-to-back calls, 3 alternating
+#: rounds, whole / sharded by cross-memory attach: 64 KiB 131-658 / 866-3695 us, 128 KiB
+#: 915-1655 / 916-5417 us, 256 KiB 913-2295 / 878-7089 us, 1 MiB 4514-5534 / 6938-10747 us
+#: (a second sync costs most where the cores are oversubscribed, and the whole buffer's
+#: reduction once its rows leave the cache).
+WHOLE_ROWS_BYTES = 512 * KiB
+#: Pieces of a cross-memory-attach all-reduce: the L - 1 peers' pieces, the result and the
+#: accumulator stay in the L2 cache (1 MiB per core here).
+CMA_PIECE_BYTES = 128 * KiB
 #: How long a wait spins (yielding the CPU) before it sleeps: about as long as the wait is
 #: expected to be.  Pieces of MiBs keep peers copying for milliseconds: spin briefly.  A small
 #: call waits only for the peers' Python overhead, and a sleep plus wake-up costs more than
@@ -66,6 +77,7 @@ WHOLE_MAX_BYTES = 64 * KiB
 #: of spin: 330 / 237 / 231 us per call, against gloo's 850-970 us in the same runs).
 SPIN_MAX_US = 50
 SPIN_SMALL_US = 2000
+CMA_SPIN_US = SPIN_SMALL_US
 
 
 #: How many call shapes all_reduce_here keeps prepared (a training loop's few).
@@ -94,7 +106,7 @@ class Hierarchy:
         self.local = LocalGroup(peers.store, peers.prefix + f"shm/{topo.host}", topo.local_ranks,
                                 topo.local_rank, tuple(topo.pids[r] for r in topo.local_ranks),
                                 region_bytes=REGION_BYTES, timeout_s=config.timeout_s,
-                                spin_us=min(config.spin_us, SPIN_MAX_US))
+                                spin_us=min(config.spin_us, SPIN_MAX_US), cma=config.shm_cma == "auto")
         self.inter = None  # this rank's inter-host group, if it owns a shard and there are hosts to talk to
         try:
             if self.nhosts > 1 and topo.local_rank < topo.shards:
@@ -103,6 +115,9 @@ class Hierarchy:
         except BaseException:
             self.local.close()
             raise
+        #: Up to this size every rank reduces the whole buffer (:data:`WHOLE_ROWS_BYTES`).
+        self.whole_max_bytes = WHOLE_MAX_BYTES if self.nhosts > 1 else max(WHOLE_MAX_BYTES,
+                                                                            WHOLE_ROWS_BYTES // self.local.size)
         self._whole: dict[tuple[np.dtype, int, ops.ReduceOp], _Whole] = {}  # all_reduce_here's, by call shape
         self._tickets = itertools.count()
         self._next = 0
@@ -157,16 +172,26 @@ class Hierarchy:
     def all_reduce(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp, wire_dtype: np.dtype | None = None) -> None:
         """``wire_dtype``: the 16-bit type the inter-host stage carries (float32 ``x``); the
         stage inside the host sums in float32 whatever it is."""
-        if x.nbytes <= WHOLE_MAX_BYTES:  # (every local rank decides alike)
+        if x.nbytes <= self.whole_max_bytes:  # (every local rank decides alike)
             self._all_reduce_whole(ctx, x, op, wire_dtype)
         elif self.nhosts > 1:
             self._all_reduce_pipelined(ctx, x, op, wire_dtype)
+        elif self.local.cma:
+            self._all_reduce_direct(ctx, x, op)
         else:
             self._all_reduce_local(ctx, x, op)
 
+    def local_path(self, nbytes: int) -> str:
+        """How an all-reduce of ``nbytes`` moves data inside this host: "whole" (every rank
+        reduces all of it from the arena), "cma" (one copy each way, straight between the
+        ranks' buffers) or "arena" (sharded, through the arena)."""
+        if nbytes <= self.whole_max_bytes:
+            return "whole"
+        return "cma" if self.nhosts == 1 and self.local.cma else "arena"
+
     def runs_here(self, nbytes: int) -> bool:
         """Whether a synchronous all-reduce of ``nbytes`` can be :meth:`all_reduce_here`."""
-        return self.nhosts == 1 and nbytes <= WHOLE_MAX_BYTES
+        return self.nhosts == 1 and nbytes <= self.whole_max_bytes
 
     def all_reduce_here(self, ticket: int, x: np.ndarray, op: ops.ReduceOp, seq: int, timeout_s: float) -> None:
         """A small all-reduce on one host in the caller's thread, without a call context
@@ -247,6 +272,33 @@ class Hierarchy:
             g.sync(None, timeout_s=ctx.timeout_s)
             for j, (a, b) in enumerate(bounds):
                 ops.copy(xf[lo + a:lo + b], rows[j][a:b])
+
+    def _all_reduce_direct(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
+        """One host, one copy each way (cross-memory attach): every rank publishes its
+        buffer; local rank j reads the peers' shard j straight from their buffers, piece by
+        piece, reduces it and writes the result straight back into every buffer.  Only rank
+        j touches shard j anywhere, so nobody waits between: two syncs per call whatever the
+        size (the buffers are published and hold the inputs; every shard is written)."""
+        g, xf = self.local, flat(x)
+        me, dt = g.me, x.dtype
+        a, b = partition(xf.size, g.size)[me]
+        step = max(1, CMA_PIECE_BYTES // dt.itemsize)
+        rows = ctx.scratch(g.size * step, dt).reshape(g.size, step)  # the peers' pieces and the result
+        acc = ctx.scratch(step, ops.accum_dtype(dt))
+        g.publish(xf)
+        g.sync(call_signature(ctx.seq, ctx.check), CMA_SPIN_US, ctx.timeout_s)
+        for lo, hi in chunks(a, b, step):
+            inputs = [xf[lo:hi] if lr == me else rows[lr, :hi - lo] for lr in range(g.size)]
+            for lr in range(g.size):
+                if lr != me:
+                    g.read_from(lr, lo * dt.itemsize, inputs[lr])
+            # (into a row of its own: reduced into xf, the ufuncs would overwrite this rank's input first)
+            out = ops.reduce_rows(inputs, op, self.world, rows[me, :hi - lo], lambda n, _: acc[:n])
+            for lr in range(g.size):
+                if lr != me:
+                    g.write_to(lr, lo * dt.itemsize, out)
+            ops.copy(xf[lo:hi], out)
+        g.sync(None, CMA_SPIN_US, ctx.timeout_s)
 
     def _all_reduce_pipelined(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp,
                               wire_dtype: np.dtype | None) -> None:

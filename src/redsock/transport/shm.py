@@ -18,11 +18,19 @@ sleeps on its counter: one wake-up per sleeper instead of one system call per ra
 every wake-up, a waiter polls the pidfds of its peers: one that died becomes
 :class:`PeerFailure` naming it.  Counters and data are plain stores on x86's total store
 order: data first, then the counter.
+
+Large buffers need not pass through the arena: with cross-memory attach (Linux
+``process_vm_readv``/``writev``, which the kernel allows between processes of one user unless
+ptrace is restricted, as in some containers) a rank publishes its buffer's address in its
+line and its peers copy straight from and to it (:meth:`LocalGroup.read_from`,
+:meth:`LocalGroup.write_to`), one copy where the arena takes two.  Whether every local rank
+may do so is probed once at attach (:attr:`LocalGroup.cma`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import platform
@@ -40,10 +48,11 @@ from .connection import RELAY_GRACE_S
 ARENA_DIR = "/dev/shm"
 ARENA_PREFIX = "redsock-"
 # One 64-byte cache line per local rank: [step, signature at odd steps, at even steps,
-# 1 + the local rank whose counter this rank sleeps on (0: awake), unused...]
+# 1 + the local rank whose counter this rank sleeps on (0: awake), the address of its buffer
+# in the current call (cross-memory attach), its probe token, its probe's outcome, unused]
 # (a rank may run one step ahead of a slower peer, which must still read its signature).
 _LINE_WORDS = 8
-_SLEEP = 3
+_SLEEP, _ADDR, _TOKEN, _CMA_OK = 3, 4, 5, 6
 MAX_LOCAL_RANKS = 48
 _FAIL_WORD = MAX_LOCAL_RANKS * _LINE_WORDS  # 1 once a rank wrote its failure note
 _NOTE_LEN_WORD = _FAIL_WORD + 1
@@ -82,6 +91,23 @@ def _futex_wake(addr: int) -> None:
     _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, ctypes.c_int(1 << 30), None, None, 0)
 
 
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+def _vm_call(name: str) -> Any:
+    """libc's ``process_vm_readv`` or ``process_vm_writev`` (None where libc lacks it)."""
+    fn = getattr(_libc, name, None)
+    if fn is not None:
+        fn.restype = ctypes.c_ssize_t
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                       ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    return fn
+
+
+_vm_readv, _vm_writev = _vm_call("process_vm_readv"), _vm_call("process_vm_writev")
+
+
 def _stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped by a signal or a tracer (state T or t)."""
     try:
@@ -105,11 +131,13 @@ class LocalGroup:
     """
 
     def __init__(self, store: Any, key: str, ranks: tuple[int, ...], local_rank: int, pids: tuple[int, ...],
-                 *, region_bytes: int, timeout_s: float, spin_us: int):
+                 *, region_bytes: int, timeout_s: float, spin_us: int, cma: bool = True):
         if len(ranks) > MAX_LOCAL_RANKS:
             raise TransportError(f"{len(ranks)} ranks on one host: shared memory takes at most "
                                  f"{MAX_LOCAL_RANKS} (set REDSOCK_SHM=off)", op="shared-memory attach")
-        self.ranks, self.me, self.size = ranks, local_rank, len(ranks)
+        self.ranks, self.me, self.size, self.pids = ranks, local_rank, len(ranks), pids
+        #: Whether every local rank may read and write every other's memory (cross-memory attach).
+        self.cma = False
         self.region_bytes = -(-region_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
         self.timeout_s, self.spin_s = timeout_s, spin_us / 1e6
         self.step = 0  # the last step this rank arrived at (the same sequence on every local rank)
@@ -142,6 +170,7 @@ class LocalGroup:
             self._signatures = [self._words[w:self.size * _LINE_WORDS:_LINE_WORDS] for w in (1, 2)]
             self._sleeps = self._words[_SLEEP:self.size * _LINE_WORDS:_LINE_WORDS]
             self.sync()  # every rank has mapped the arena (and its pidfds) before anyone relies on it
+            self.cma = self._probe_cma(cma)
         except BaseException:
             self.close()
             raise
@@ -199,7 +228,65 @@ class LocalGroup:
             raise PeerFailure(f"rank {self.ranks[self.me]}: rank {dead} died (its process exited) {when}",
                               ranks=(dead,))
 
+    def _probe_cma(self, wanted: bool) -> bool:
+        """Whether every local rank can read every other's memory (ptrace scope, seccomp and
+        containers may refuse it): each publishes a token, reads its peers' and says whether
+        it saw them; all decide alike from what all said."""
+        w, line = self._words, self.me * _LINE_WORDS
+        token = np.array([secrets.randbits(63) | 1], np.uint64)
+        w[line + _ADDR], w[line + _TOKEN] = token.ctypes.data, int(token[0])
+        self.sync()
+        ok = wanted and _vm_readv is not None
+        seen = np.zeros(1, np.uint64)
+        for lr in range(self.size):
+            if ok and lr != self.me:
+                try:
+                    self.read_from(lr, 0, seen)
+                except TransportError:
+                    ok = False
+                ok = ok and int(seen[0]) == w[lr * _LINE_WORDS + _TOKEN]
+        w[line + _CMA_OK] = 1 if ok else 2
+        self.sync()  # (the token stays alive until every peer has read it)
+        return all(w[lr * _LINE_WORDS + _CMA_OK] == 1 for lr in range(self.size))
+
     # -- data --------------------------------------------------------------------------
+
+    def publish(self, buf: np.ndarray) -> None:
+        """Say where this rank's (contiguous) buffer of the current call is: peers read and
+        write it with :meth:`read_from` / :meth:`write_to` after the next sync."""
+        self._words[self.me * _LINE_WORDS + _ADDR] = buf.ctypes.data
+
+    def read_from(self, lr: int, offset: int, out: np.ndarray) -> None:
+        """Copy ``out.nbytes`` bytes from local rank ``lr``'s published buffer, ``offset``
+        bytes in, into ``out`` (contiguous).  Raises :class:`PeerFailure` if ``lr`` died,
+        :class:`TransportError` if the kernel refuses."""
+        self._move(_vm_readv, lr, offset, out)
+
+    def write_to(self, lr: int, offset: int, src: np.ndarray) -> None:
+        """Copy ``src`` (contiguous) into local rank ``lr``'s published buffer, ``offset`` bytes in."""
+        self._move(_vm_writev, lr, offset, src)
+
+    def _move(self, fn: Any, lr: int, offset: int, local: np.ndarray) -> None:
+        size, done = local.nbytes, 0
+        here, there = local.ctypes.data, self._words[lr * _LINE_WORDS + _ADDR] + offset
+        while done < size:  # (the kernel may stop at a page boundary)
+            mine, theirs = _IoVec(here + done, size - done), _IoVec(there + done, size - done)
+            moved = fn(self.pids[lr], ctypes.byref(mine), 1, ctypes.byref(theirs), 1, 0)
+            if moved > 0:
+                done += moved
+                continue
+            err = ctypes.get_errno() if moved < 0 else errno.EIO
+            if err == errno.EINTR:
+                continue
+            when = "while this rank copied its memory (cross-memory attach)"
+            self._raise_if_a_peer_died(0, when)
+            if err == errno.ESRCH:
+                raise PeerFailure(f"rank {self.ranks[self.me]}: rank {self.ranks[lr]} died (its process exited) "
+                                  f"{when}", ranks=(self.ranks[lr],))
+            raise TransportError(f"rank {self.ranks[self.me]}: cross-memory attach to rank {self.ranks[lr]} "
+                                 f"(pid {self.pids[lr]}): {os.strerror(err)}", peer=f"rank {self.ranks[lr]}",
+                                 op="shared-memory copy")
+
 
     def next_half(self) -> int:
         """The half of every region the next piece goes through (all local ranks alternate alike)."""

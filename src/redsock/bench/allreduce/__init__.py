@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 from ...errors import ConfigError, RedsockError
 from .inputs import count_wrong, make_input, reference, reference_of, timing_input
@@ -40,8 +41,12 @@ def run(args: argparse.Namespace) -> int:
         sweep(args)
         argv = [a for a in sys.argv[1:]]
         # Re-run this same command in each rank, minus the launcher's own options.
-        child = strip_options(argv, {"--nprocs": 1, "--timeout": 1})
+        child = strip_options(argv, {"--nprocs": 1, "--timeout": 1, "--peer": 1})
+        if getattr(args, "peer", None):
+            return _with_peer(args, child)
         return launch_local(args.nprocs, child, args.timeout)
+    if getattr(args, "peer", None):
+        raise ConfigError("--peer needs --nprocs (the peer runs on this host with as many ranks)")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ConfigError("set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun does), or pass --nprocs N")
     try:
@@ -51,3 +56,24 @@ def run(args: argparse.Namespace) -> int:
         text = str(e)  # a failed collective's message names its rank already
         print(f"redsock: {text if text.startswith(who) else who + text}", file=sys.stderr)
         return 2
+
+
+def _with_peer(args: argparse.Namespace, child: list[str]) -> int:
+    """redsock's sweep, then Open MPI's on the same sizes, then both side by side."""
+    from .. import report
+    from . import mpi_peer
+    from .local import launch_local, strip_options
+    from .rank import iters_for, sweep
+
+    dtype, op, algos, sizes = sweep(args)
+    if not args.back_to_back or dtype.name != "float32" or op.name != "SUM" or len(algos) != 1 or algos[0] == "gloo":
+        raise ConfigError("--peer mpi times float32 sum with --back-to-back against one redsock --algo")
+    with tempfile.TemporaryDirectory(prefix="redsock-peer-") as tmp:
+        json_path = args.json or os.path.join(tmp, "redsock.json")
+        code = launch_local(args.nprocs, [*strip_options(child, {"--json": 1}), "--json", json_path], args.timeout)
+        if code != 0:
+            return code
+        rows = report.read_json(json_path)
+    mpi = mpi_peer.run_peer([(n, *iters_for(n, args)) for n in sizes], args.nprocs, args.timeout)
+    print(mpi_peer.side_by_side(rows, mpi))
+    return 0

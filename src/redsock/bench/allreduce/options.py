@@ -13,7 +13,7 @@ from ...testbed.cluster import PROFILES
 from .rank import B2B_ROUNDS
 
 #: Options that belong to the launchers (``--testbed``'s and ``--nprocs``), not to the ranks.
-_LAUNCHER_DESTS = {"nprocs", "timeout", "json", "plot", "no_progress"}
+_LAUNCHER_DESTS = {"nprocs", "timeout", "json", "plot", "no_progress", "peer"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nprocs", type=int, help="start this many local ranks (else: RANK/WORLD_SIZE from the environment)")
     p.add_argument("--timeout", type=float, default=1800, help="with --nprocs: stop everything after this many seconds")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--peer", choices=("mpi",),
+                   help="with --nprocs and --back-to-back (float32 sum, one redsock --algo): time Open MPI's "
+                        "shared-memory all-reduce (mpirun --mca btl vader,self, mpi4py) on the same sizes after "
+                        "redsock's, and print both side by side")
     add_testbed_arguments(p)  # --testbed --workers --servers --rate --profile --prefix
 
 

@@ -144,7 +144,7 @@ def run_rank(args: argparse.Namespace) -> int:
                     fn = functools.partial(comm.all_reduce, op=op, algorithm=None if algo == "auto" else algo,
                                            wire_dtype=explicit)
                 x = timing_input(count, dtype, op, rank)
-                warm, iters = _iters_for(nbytes, args)
+                warm, iters = iters_for(nbytes, args)
                 cpu0, wall0, box0 = time.process_time(), time.perf_counter(), box_cpu()
                 times = _time_algo(fn, x, warm, iters, comm, args.back_to_back)
                 busy = _ranks_busy(comm, time.process_time() - cpu0, time.perf_counter() - wall0)
@@ -190,7 +190,8 @@ def route(comm, nbytes: int, algo: str) -> dict[str, str]:
     chosen = comm.choose_algorithm(nbytes, None if algo == "auto" else algo)
     if chosen != "hier":
         return {"scheme": "flat", "inter": chosen}
-    return {"scheme": "hierarchical", "inter": comm.hier.inter_algorithm(nbytes)}
+    return {"scheme": "hierarchical", "inter": comm.hier.inter_algorithm(nbytes),
+            "path": comm.hier.local_path(nbytes)}
 
 
 def _check(fn, count: int, dtype: np.dtype, op: ops.ReduceOp, rank: int, world: int, comm,
@@ -249,7 +250,7 @@ def _sizes(lo: int, hi: int, factor: int, itemsize: int) -> list[int]:
     return out
 
 
-def _iters_for(nbytes: int, args: argparse.Namespace) -> tuple[int, int]:
+def iters_for(nbytes: int, args: argparse.Namespace) -> tuple[int, int]:
     """Fewer iterations for huge sizes so a sweep stays bounded (nccl-tests' -n/-w as upper bounds)."""
     if nbytes >= 64 << 20:
         return max(1, min(args.warmup, 2)), max(3, min(args.iters, 8))

@@ -383,6 +383,12 @@ def test_compress_hook_feeds_each_buckets_rounding_residual_into_its_next_step(t
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("world", [2, 3])
+def test_cuda_tensors_ddp_and_fsdp2_match_gloo(world):
+    check_ok(worker("cuda", world, timeout=300))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compress_hook_casts_cuda_buckets_on_the_device(tmp_path):
     """A CUDA bucket is rounded on the GPU and crosses to the host as 16 bits; the average
     comes back to the device in float32 (one rank; the wire's rounding is what is checked)."""

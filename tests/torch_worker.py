@@ -323,6 +323,77 @@ def nested(gloo) -> None:
     print("ok", flush=True)
 
 
+def cuda(gloo) -> None:
+    """CUDA tensors through redsock next to gloo in the same processes: every op on float32 /
+    bfloat16 / int64 device tensors; DDP on the device (redsock default group against a DDP
+    copy on gloo, same data); FSDP2 (fully_shard) on the device against one model trained on
+    every rank's batch.  Ranks share the devices round robin."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    on_cuda = os.environ.get("TEST_DEVICE", "cuda") == "cuda"  # (cpu: a dry run of this scenario)
+    dev = torch.device("cuda", rank % torch.cuda.device_count()) if on_cuda else torch.device("cpu")
+    if on_cuda:
+        torch.cuda.set_device(dev)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for op in ("sum", "min", "max"):
+            x = values(300_001, dtype, op, 7).to(dev)
+            ref = x.cpu()
+            dist.all_reduce(x, op=OPS[op])
+            dist.all_reduce(ref, op=OPS[op], group=gloo)
+            assert x.device == dev
+            same(x.cpu(), ref, f"cuda all_reduce {dtype} {op}")
+    outs = [torch.empty(5, device=dev) for _ in range(world)]
+    dist.all_gather(outs, torch.full((5,), float(rank), device=dev))
+    for r in range(world):
+        same(outs[r].cpu(), torch.full((5,), float(r)), "cuda all_gather")
+
+    def mlp() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)).to(dev)
+
+    def batch(step: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * step + r)
+        return torch.randn(16, 64, generator=g).to(dev), torch.randn(16, 64, generator=g).to(dev)
+
+    ids = [dev] if on_cuda else None
+    ours, theirs = DDP(mlp(), device_ids=ids), DDP(mlp(), device_ids=ids, process_group=gloo)
+    for model in (ours, theirs):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(5):
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    for (name, a), b in zip(ours.module.named_parameters(), theirs.module.parameters()):
+        # 2 ranks: one rounding per sum whatever the algorithm, so bitwise; more: float rounding
+        if world == 2:
+            same(a.detach().cpu(), b.detach().cpu(), f"cuda DDP {name}")
+        else:
+            torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+    sharded, single = mlp(), mlp()
+    fully_shard(sharded)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (sharded, single)]
+    for step in range(5):
+        x, y = batch(step, rank)
+        opts[0].zero_grad()
+        torch.nn.functional.mse_loss(sharded(x), y).backward()
+        opts[0].step()
+        xs, ys = zip(*(batch(step, r) for r in range(world)))  # the whole global batch, here
+        opts[1].zero_grad()
+        torch.nn.functional.mse_loss(single(torch.cat(xs)), torch.cat(ys)).backward()
+        opts[1].step()
+    for (name, p), q in zip(sharded.named_parameters(), single.parameters()):
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        torch.testing.assert_close(full.detach().cpu(), q.detach().cpu(), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, name=name: f"cuda FSDP2 {name}: {m}")
+    if on_cuda:
+        torch.cuda.synchronize()
+    print("ok", flush=True)
+
+
 def subgroups(gloo) -> None:
     """new_group over subsets: each group its own Communicator; results equal gloo's groups."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -461,8 +532,8 @@ def wire_accuracy(gloo) -> None:
     print("ok", flush=True)
 
 
-SCENARIOS = {"ops": ops, "wire_accuracy": wire_accuracy, "async": async_ops, "nested": nested, "subgroups": subgroups, "failure": failure,
-             "per_call_timeout": per_call_timeout}
+SCENARIOS = {"ops": ops, "wire_accuracy": wire_accuracy, "async": async_ops, "nested": nested, "cuda": cuda,
+             "subgroups": subgroups, "failure": failure, "per_call_timeout": per_call_timeout}
 
 
 def main() -> None:

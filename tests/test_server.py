@@ -248,8 +248,10 @@ def test_a_worker_that_gives_up_between_rounds_passes_its_diagnosis_on_at_once()
             conns[1].abort(wire.failed_ranks_reason([5], "rank 1 gives up: rank 5 died"))
             conns[1].close()
             t0 = time.monotonic()
-            got, _ = announce(conns[0], 0, 1)
+            # The reducer may end rank 0's job before its next announce goes out (the failure
+            # is then met posting it) or after (met waiting for the piece): either way at once.
             with pytest.raises(TransportError, match=r"\[failed ranks: 5\]"):
+                got, _ = announce(conns[0], 0, 1)
                 got.wait(20)
             assert time.monotonic() - t0 < 5
         finally:

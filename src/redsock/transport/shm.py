@@ -362,7 +362,7 @@ class LocalGroup:
                 # reaches us as a failure note within the relay grace.  Not another whole timeout
                 # (no stacking); a stopped one (SIGSTOP) is not held up by anybody: named now.
                 graced = True
-                deadline += RELAY_GRACE_S
+                deadline += min(timeout_s, RELAY_GRACE_S)  # (as a socket's wait: a 1 s call waits 2 s)
                 left = deadline - time.monotonic()
             if left <= 0:
                 names = [self.ranks[lr] for lr in missing]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from redsock.bench.report import Row
+from redsock.results import Row
 from redsock.cli import main
 from redsock.config import SMALLEST_PIECE_BYTES
 from redsock.errors import ConfigError

@@ -9,8 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from redsock.bench import report as R
-from redsock.bench.report import Row
+from redsock import results as R
+from redsock.results import Row
 from redsock.config import parse_size
 from redsock.errors import ConfigError
 from redsock.ops import ReduceOp

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from redsock.bench import report
+from redsock import results as report
 from redsock import reproduce as R
 from redsock.reproduce import tables
 from redsock.errors import ConfigError, RedsockError

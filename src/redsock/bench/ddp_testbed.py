@@ -40,12 +40,12 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from .. import results as report
 from ..errors import ConfigError, RedsockError
 from ..testbed import launch
 from ..testbed import netns as nx
 from ..testbed.cluster import PROFILES, Testbed
 from ..testbed.netns import format_rate, parse_rate
-from . import report
 from .procs import box_cpu, cpu_shares
 
 __all__ = ["ALGOS", "add_arguments", "parse_result", "run", "summarize", "train_script"]

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .. import results as report
 from ..config import parse_size
 from ..errors import ConfigError
 from ..testbed.netns import parse_rate
-from . import report
 from .bounds import GOODPUT_FACTOR
 
 SECTIONS = ("transport", "allreduce", "latency", "perflow", "ddp", "multirank")

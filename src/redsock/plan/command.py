@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bench.report import human_size
 from ..config import parse_size
 from ..errors import ConfigError
+from ..results import human_size
 from ..testbed.netns import format_rate, parse_rate
 from . import model
 from .model import LABELS, Cluster, Prediction

@@ -28,11 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bench import report, suite
+from .. import results as report
+from ..bench import suite
 from ..bench.bounds import GOODPUT_FACTOR
 from ..bench.procs import BUSY_LIMIT, MACHINE_BUSY_RE
-from ..bench.report import Row, human_size
 from ..errors import ConfigError
+from ..results import Row, human_size
 from ..testbed import netns
 from . import model
 from .model import Cluster

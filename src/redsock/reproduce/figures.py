@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..bench import report
+from .. import results as report
 from ..bench.suite import SERIES_LABELS, StepResult
 from .render import RunInfo, section_data
 from .tables import (

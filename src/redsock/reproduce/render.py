@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..bench import report
+from .. import results as report
 from ..bench.bounds import GOODPUT_FACTOR, host_nic_factor
 from ..bench.suite import PERFLOW_CAVEAT, PLANS, SERIES_LABELS, Settings, StepResult
 from ..errors import ConfigError

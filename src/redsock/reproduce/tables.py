@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..bench import report
+from .. import results as report
 from ..bench.bounds import GOODPUT_FACTOR, host_nic_factor, link_goodput_GBps
 from ..bench.suite import SERIES_LABELS, check_ddp
 from ..errors import ConfigError

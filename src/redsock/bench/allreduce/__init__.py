@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _with_peer(args: argparse.Namespace, child: list[str]) -> int:
     """redsock's sweep, then Open MPI's on the same sizes, then both side by side."""
-    from .. import report
+    from ... import results as report
     from . import mpi_peer
     from .local import launch_local, strip_options
     from .rank import iters_for, sweep

@@ -2,7 +2,7 @@
 
 Started by the local launcher (``--nprocs``, :mod:`.local`), by torchrun, or in a testbed
 host (``--testbed``, :mod:`.testbed`); it times every algorithm of ``--algo`` on the same
-ranks, one size at a time, and rank 0 prints the tables and writes :class:`~redsock.bench.report.Row`
+ranks, one size at a time, and rank 0 prints the tables and writes :class:`~redsock.results.Row`
 objects, the one result type of every mode.
 """
 
@@ -117,8 +117,8 @@ def _machine_shares(comm, before: BoxCpu, after: BoxCpu) -> tuple[float, float]:
 
 def run_rank(args: argparse.Namespace) -> int:
     from ... import api
+    from ... import results as report
     from ...bootstrap import store_from_env
-    from .. import report
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = float(os.environ.get("REDSOCK_TIMEOUT_S", "120"))

@@ -40,12 +40,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from ... import results as report
 from ...errors import ConfigError, RedsockError
 from ...testbed import launch
 from ...testbed import netns as nx
 from ...testbed.cluster import Testbed
 from ...testbed.netns import format_rate, parse_rate
-from .. import report
 from ..bounds import GOODPUT_FACTOR, host_nic_factor, ideal_over_gloo, link_goodput_GBps
 from ..procs import BUSY_LIMIT, BoxCpu, box_cpu, cpu_line, cpu_shares, proc_status
 from .options import child_argv

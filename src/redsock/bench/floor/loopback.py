@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import PeerFailure
-from ..report import human_size
+from ...results import human_size
 
 _CONNECT_S = 180.0  # 9 processes importing torch on 2 cores take a while
 _IO_TIMEOUT_S = 120.0

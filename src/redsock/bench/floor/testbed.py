@@ -43,12 +43,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ... import results as report
 from ...errors import ConfigError, PeerFailure
 from ...testbed import launch
 from ...testbed import netns as nx
 from ...testbed.cluster import Testbed
 from ...testbed.netns import format_rate, parse_rate
-from .. import report
 from ..allreduce.rank import B2B_ROUNDS
 from ..bounds import GOODPUT_FACTOR
 from ..procs import box_cpu, cpu_shares

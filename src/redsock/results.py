@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 if TYPE_CHECKING:
     from rich.table import Table

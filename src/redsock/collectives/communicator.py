@@ -37,8 +37,7 @@ _P2P_TAG = 1 << 61
 # latency-bound, so it carries float32 whatever the wire: halving its bytes saves nothing.
 Algorithm = Callable[[CallContext, np.ndarray, ops.ReduceOp, "np.dtype | None"], Finish | None]
 ALLREDUCE_ALGORITHMS: dict[str, Algorithm] = {
-    "ring": ring.all_reduce, "small": lambda ctx, x, op, wire_dtype: small.all_reduce(ctx, x, op),
-    "server": server_client.all_reduce}
+    "ring": ring.all_reduce, "small": small.all_reduce, "server": server_client.all_reduce}
 # With servers configured, `auto` sends all-reduces of at least this size to them.
 SERVER_MIN_BYTES = 64 * KiB
 
@@ -87,6 +86,7 @@ class Communicator:
             raise ConfigError(f"rank {rank} outside a world of {world_size}")
         self.rank, self.world_size = rank, world_size
         self.config = config or Config.from_env()
+        self._wire_default = ops.wire_dtype(self.config.wire_dtype)  # (parsed once: small calls count µs)
         self._global_ranks = tuple(global_ranks) if global_ranks is not None else tuple(range(world_size))
         self.peers = PeerTable(rank, world_size, store, self.config, group=group, namespace=namespace,
                                advertise_toward=advertise_toward)
@@ -141,8 +141,9 @@ class Communicator:
         x = _check_array(array, "all_reduce", writable=True)
         rop = ops.ReduceOp.parse(op)
         explicit = wire_dtype is not None
-        wire = ops.wire_for(x.dtype, rop, ops.wire_dtype(wire_dtype if explicit else self.config.wire_dtype),
-                            explicit)
+        wire = ops.wire_dtype(wire_dtype) if explicit else self._wire_default
+        if wire is not None:
+            wire = ops.wire_for(x.dtype, rop, wire, explicit)
         return self._all_reduce(x, rop, algorithm, async_op, wire, check=True)
 
     def all_reduce_inner(self, x: np.ndarray, op: ops.ReduceOp, async_op: bool,

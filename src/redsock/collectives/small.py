@@ -17,7 +17,9 @@ from .. import ops
 from .context import CallContext, flat
 
 
-def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
+def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp, wire_dtype: np.dtype | None = None) -> None:
+    """``wire_dtype`` is ignored: latency-bound, this carries float32 whatever the wire (halving
+    its bytes would save nothing)."""
     n, r = ctx.world, ctx.rank
     xf = flat(x)
     acc = xf if ops.accum_dtype(x.dtype) == x.dtype else ops.init_acc(xf)

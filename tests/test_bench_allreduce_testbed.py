@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from redsock.bench import allreduce, report
+from redsock import results as report
+from redsock.bench import allreduce
 from redsock.bench.allreduce import testbed as allreduce_testbed
 from redsock.testbed import list_prefix_netns
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from redsock.bench import allreduce, ddp_testbed, report
+from redsock import results as report
+from redsock.bench import allreduce, ddp_testbed
 from redsock.bench.allreduce import testbed as allreduce_testbed
 from redsock import reproduce as R
 from redsock.reproduce import tables

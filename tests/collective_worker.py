@@ -430,10 +430,11 @@ def wire_matrix(comm, rank, world):
 
 
 def wire_mismatch(comm, rank, world):
-    """Rank 1 asks for the bf16 wire, rank 0 for none, through the reducers: both must raise."""
+    """Rank 1 asks for the bf16 wire, rank 0 for none (through TEST_ALGO, default the
+    reducers): both must raise."""
     x = np.ones(1 << 18, np.float32)
     try:
-        comm.all_reduce(x, algorithm="server", wire_dtype="bf16" if rank == 1 else "off")
+        comm.all_reduce(x, algorithm=os.environ.get("TEST_ALGO", "server"), wire_dtype="bf16" if rank == 1 else "off")
     except RedsockError as e:
         print(f"raised {type(e).__name__}: {e}", flush=True)
         return

@@ -79,12 +79,12 @@ def test_left_behind_arenas_are_the_cells_own():
 def test_quick_slice(tmp_path):
     """One cell of each kind of detection: a dead process (connection reset), a frozen one behind
     a reducer (the reducer's round deadline names it), a dead rank in shared memory whose
-    host-mate tells its inter-host group, a reducer cut off with the ring fallback.
-
-    (hier-reducers / worker SIGKILL is in the whole matrix only: in 1 of 4 loaded runs a
-    survivor named the dead rank's host-mate, 3 instead of 2, through the reducer's
-    "[failed job ranks: 1]" — an open bug of the never-a-hang issue, not yet found.)"""
-    _run([faults.Cell("ring", "kill"), faults.Cell("reducers", "stop"), faults.Cell("hier", "kill"),
+    host-mate tells its inter-host group through the reducer (in 1 of 4 loaded runs that cell
+    named the host-mate, until a job that ended at its reducer could no longer be reopened
+    there by calls queued behind the failed one: test_server's
+    test_a_job_that_ended_at_its_reducer_never_reopens_there), a reducer cut off with the
+    ring fallback."""
+    _run([faults.Cell("ring", "kill"), faults.Cell("reducers", "stop"), faults.Cell("hier-reducers", "kill"),
           faults.Cell("reducers", "srv-link", True)], tmp_path, "q")
 
 

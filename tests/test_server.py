@@ -107,9 +107,13 @@ def test_16_bit_wires_through_two_reducers(reducers):
     assert len({tuple(digests(out)) for _, out, _ in outs}) == 1  # bitwise identical on every rank
 
 
-def test_ranks_that_disagree_on_the_wire_get_an_error_not_a_sum(reducers):
-    _, servers = reducers(1)
-    outs = run_world("wire_mismatch", 2, env={"REDSOCK_SERVERS": servers, "TEST_TIMEOUT_S": "10"}, timeout=60)
+@pytest.mark.parametrize("algo", ["server", "ring"])
+def test_ranks_that_disagree_on_the_wire_get_an_error_not_a_sum(reducers, algo):
+    """Through the reducers, and through the ring (float32 reduce-scatter, 16-bit all-gather)."""
+    env = {"TEST_ALGO": algo, "TEST_TIMEOUT_S": "10"}
+    if algo == "server":
+        env["REDSOCK_SERVERS"] = reducers(1)[1]
+    outs = run_world("wire_mismatch", 2, env=env, timeout=60)
     for r, (code, out, err) in enumerate(outs):
         assert code == 0 and "raised" in out, f"rank {r}:\n{out}\n{err[-3000:]}"
     assert any("other ranks with" in out or "signature" in out for _, out, _ in outs), [o for _, o, _ in outs]
@@ -257,6 +261,40 @@ def test_a_worker_that_gives_up_between_rounds_passes_its_diagnosis_on_at_once()
         finally:
             for c in conns:
                 c.close()
+
+
+def test_a_job_that_ended_at_its_reducer_never_reopens_there():
+    """World ranks 1 and 3 are a hierarchical job's inter-host group; rank 3 gives up (its
+    host-mate, rank 2, died) and tells the reducer why.  The calls each rank had queued behind
+    the failed one must get that diagnosis, not open a new connection: at the reducer that
+    is a new job under the same id, whose round waits for rank 3 and then blames it (the
+    fault matrix's hier-reducers / worker SIGKILL named rank 3 in 1 of 4 loaded runs)."""
+    with ReductionServer("127.0.0.1", 0, config=Config(timeout_s=30)) as server:
+        cfg = Config(timeout_s=30, nsocks=1)
+        address = "%s:%d" % server.address[:2]
+        groups = [ServerGroup((address,), cfg, 7, r, 2, global_ranks=(1, 3)) for r in range(2)]
+        try:
+            results = []
+            for r, g in enumerate(groups):  # call 0 goes through: the job exists at the reducer
+                x, out = np.full(4, r + 1, np.float32), np.empty(4, np.float32)
+                results.append((g.conn(0).irecv(out, wire.piece_tag(0, 0)), out))
+                g.conn(0).isend(wire.encode_announce(7, 0, ops.dtype_code(x.dtype), ops.ReduceOp.SUM.code, 2, r, 0,
+                                                     4, 4, 1, 0, wire.timeout_ms(30)) + x.tobytes(), wire.ANNOUNCE_TAG)
+            for got, out in results:
+                got.wait(10)
+                assert np.all(out == 3)
+            first = groups[0].conn(0)
+            groups[1].fail(wire.failed_ranks_reason([2], "rank 3 gives up: rank 2 died"))
+            _wait_until(lambda: first.error is not None, 10)
+            for g in groups:  # neither reconnects: both name rank 2, the one that died
+                with pytest.raises(TransportError, match=r"\[failed ranks: 2\]"):
+                    g.conn(0)
+            assert "rank 2 died" in str(first.error)
+            _wait_until(lambda: not server._jobs, 5)
+            assert not server._jobs, "the reducer still (or again) holds the job"
+        finally:
+            for g in groups:
+                g.close()
 
 
 def test_fallback_does_not_wait_for_an_unreachable_reducer_on_every_call():

@@ -425,7 +425,7 @@ class Communicator:
             if self.hier is not None:  # local ranks wait in shared memory: wake them with the reason
                 self.hier.fail(reason)
             if self.servers is not None:  # nothing more will be asked of the reducers: tell them why
-                self.servers.close(reason)
+                self.servers.fail(reason)
         return failure
 
     def _check_usable(self) -> None:

@@ -411,7 +411,7 @@ class Hierarchy:
         if self.inter is not None:
             self.inter.peers.fail(reason)
             if self.inter.servers is not None:  # its reducers wait for our shard: tell them why not
-                self.inter.servers.close(reason)
+                self.inter.servers.fail(reason)
         self._stop()
 
     def close(self) -> None:

@@ -51,7 +51,18 @@ RETRY_COST_FACTOR = 4.0
 
 
 class ServerGroup:
-    """This rank's connections to the reduction servers, (re)opened on demand."""
+    """This rank's connections to the reduction servers, (re)opened on demand.
+
+    Reopened only while the job may still use the reducers: with ``REDSOCK_SERVER_FALLBACK=ring``
+    a later call tries them again; without it, the first failure is the job's last word there
+    (:meth:`fail`).  A connection reopened after that would start a new job at the reducer
+    under the same id, whose round waits for the ranks that are gone and then blames the
+    one that is missing there, which may only have given up (hier-reducers / worker SIGKILL
+    named the dead rank's host-mate).
+
+    ``_lock`` guards ``_conns``, ``in_flight`` and ``_failure``; it is a leaf: connections are
+    opened under it, but never failed or closed under it.
+    """
 
     def __init__(self, servers: tuple[str, ...], config: Config, job: int, rank: int, world: int,
                  global_ranks: Sequence[int] | None = None):
@@ -68,6 +79,7 @@ class ServerGroup:
         # ones still finishing): a worker may send a piece once the result WINDOW pieces back is in.
         self.in_flight: list[deque[Handle]] = [deque() for _ in self.addresses]
         self._lock = threading.Lock()
+        self._failure: TransportError | None = None  # set once by fail(): no connection is opened again
         self._fallbacks_unreported = 0  # ring fallbacks since the last warning
         self._last_warning = -float("inf")
         # Since when calls go to ring (None: they try the reducers), and for how long before
@@ -100,17 +112,37 @@ class ServerGroup:
         return named
 
     def conn(self, i: int) -> Connection:
+        """The connection to reducer ``i``, opened if need be; raises the group's failure once
+        it has one (a connection that failed counts as one unless the fallback is armed)."""
         with self._lock:
             c = self._conns[i]
-            if c is None or c.closed:  # a restarted reducer is used again from the next call
+            if self._failure is None and c is not None and c.error is not None and not self.retries():
+                self._failure = self.in_world_ranks(TransportError(
+                    f"reduction server {self.name(i)}: connection is down ({c.error})", peer=c.peer, op="connect"))
+            if self._failure is not None:
+                raise self._failure
+            if c is None or c.closed:  # with the fallback, a restarted reducer is used again from the next call
                 if c is not None:
                     c.close()
                 c = self._conns[i] = connect(self.addresses[i], config=self.config, name=f"rank{self.rank}",
                                              peer_name=f"reduction server {self.name(i)}")
             return c
 
+    def retries(self) -> bool:
+        """Whether a failed reducer is tried again later (``REDSOCK_SERVER_FALLBACK=ring``)."""
+        return self.config.server_fallback == "ring" and self.world > 1
+
     def name(self, i: int) -> str:
         return "%s:%d" % self.addresses[i]
+
+    def fail(self, reason: str) -> None:
+        """The job is done with the reducers: tell each one ``reason`` (:meth:`close`), and
+        from now on raise it rather than open a connection (calls already queued behind the
+        failed one would otherwise reopen the job at the reducer)."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = TransportError(reason, op="connect")
+        self.close(reason)
 
     def close(self, reason: str | None = None) -> None:
         """Close every connection; with ``reason``, tell each reducer why first (a worker that
@@ -135,7 +167,7 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp,
     group = ctx.servers
     if group is None:
         raise PeerFailure("algorithm 'server' needs reduction servers (REDSOCK_SERVERS or init(servers=...))")
-    if group.config.server_fallback != "ring" or ctx.world == 1:
+    if not group.retries():
         return _through_servers(ctx, group, x, op, wire_dtype)
     # Fallback armed: keep the input, and let every rank agree on the outcome, so that
     # either all ranks keep the servers' result or all redo the call by ring.
@@ -235,12 +267,13 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
         # them all guarantees no late result lands in x.  The next call reconnects.
         e = group.in_world_ranks(e)
         told = wire.failed_ranks_in(str(e))
+        give_up = group.close if group.retries() else group.fail
         if told is not None:  # the server diagnosed a failed worker: the communicator names it
-            group.close(wire.failed_ranks_reason(told, f"rank {ctx.rank} gives up all-reduce #{ctx.seq}: {e}"))
+            give_up(wire.failed_ranks_reason(told, f"rank {ctx.rank} gives up all-reduce #{ctx.seq}: {e}"))
             raise e
         culprit = wire.failed_reducer_in(str(e)) or group.name(server)  # another worker may have found it
         failure = PeerFailure(f"reduction server {culprit} failed: {e}")
-        group.close(wire.failed_reducer_reason(culprit, f"rank {ctx.rank} gives up all-reduce #{ctx.seq}: {failure}"))
+        give_up(wire.failed_reducer_reason(culprit, f"rank {ctx.rank} gives up all-reduce #{ctx.seq}: {failure}"))
         raise failure from e
 
     if npieces == 1:

@@ -1,7 +1,7 @@
 """All-reduce through reduction servers: each piece goes out once and comes back reduced once.
 
 The buffer is cut into pieces of ``REDSOCK_PIECE_BYTES``; piece i belongs to
-server i mod S (the same on every rank, and balanced by bytes).  A worker
+server (i + call number) mod S (the same on every rank, and balanced by bytes over calls).  A worker
 announces the call to each server, then streams its pieces with at most
 ``WINDOW`` outstanding per server, while the reduced pieces stream back
 straight into the caller's array: pushing piece i+1 overlaps pulling piece i.
@@ -187,8 +187,11 @@ def all_reduce(ctx: CallContext, x: np.ndarray, op: ops.ReduceOp,
     # First agree that every rank reaches every reducer: a rank that went ahead alone would
     # wait at a reducer for contributions that never come.
     try:
-        for i in range(min(len(group.addresses), -(-x.size // max(1, group.config.piece_bytes // x.itemsize)))):
-            group.conn(i)
+        nserv = len(group.addresses)
+        itemsize = (x.dtype if wire_dtype is None else wire_dtype).itemsize
+        npieces = -(-x.size // piece_elements(x.size, itemsize, nserv, group.config.piece_bytes))
+        for p in range(min(nserv, npieces)):  # the reducers the call uses, as _through_servers picks them
+            group.conn((p + ctx.seq) % nserv)
     except TransportError as e:
         group.close()
         failure = e
@@ -260,7 +263,12 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
     piece = piece_elements(xf.size, xf.itemsize, nserv, group.config.piece_bytes)
     npieces = -(-xf.size // piece)
     flags = wire.FLAG_DETERMINISTIC if group.config.deterministic else 0
-    server = 0  # the reducer being talked to, for the error message
+    # Piece p goes to reducer (p + first) mod S, ``first`` turning with the call number: a call
+    # of n pieces gives S - n mod S reducers one piece fewer, and always the same ones would
+    # carry more than their share (a 32 MiB hierarchical call in 14-piece shards on 4 reducers:
+    # 4, 4, 3, 3 pieces, and reducer 0's link, not the hosts', set the pace).
+    first = ctx.seq % nserv
+    server = first  # the reducer being talked to, for the error message
 
     def failed(e: TransportError) -> NoReturn:
         # Receives may still be posted into x on the other servers' connections: closing
@@ -278,30 +286,29 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
 
     if npieces == 1:
         try:
-            conn = group.conn(0)
+            conn = group.conn(first)
             if wire.ANNOUNCE_SIZE + xf.nbytes <= conn.inline_bytes:
-                return _one_record(ctx, group, conn, xf, out, codes, op, flags, piece, nserv, failed)
+                return _one_record(ctx, group, first, conn, xf, out, codes, op, flags, piece, nserv, failed)
         except TransportError as e:
             failed(e)
 
     results: list[Handle] = []
     sends: list[Handle] = []
     try:
-        used = range(min(nserv, npieces))
+        owner = [(p + first) % nserv for p in range(min(nserv, npieces))]  # of pieces 0..S-1, and so on
         conns = {}
-        for server in used:
+        for server in owner:
             conns[server] = group.conn(server)
         # Results land straight in x; safe before our piece has gone, because a reduced piece
         # only comes back after the server has received every rank's contribution to it.
         for p in range(npieces):
             lo, hi = p * piece, min(xf.size, (p + 1) * piece)
-            results.append(conns[p % nserv].irecv(xf[lo:hi], wire.piece_tag(ctx.seq, p)))
+            results.append(conns[owner[p % nserv]].irecv(xf[lo:hi], wire.piece_tag(ctx.seq, p)))
         fused = set()
-        for server in used:
+        for p, server in enumerate(owner):  # the announce names the server's pieces: p, p + S, ...
             ann = wire.Announce(group.job, ctx.seq, codes[0], op.code, ctx.world, ctx.rank, flags,
-                                       xf.size, piece, nserv, server, wire.timeout_ms(ctx.timeout_s), codes[1])
+                                       xf.size, piece, nserv, p, wire.timeout_ms(ctx.timeout_s), codes[1])
             record = ann.encode()
-            p = server
             if p + nserv >= npieces and wire.ANNOUNCE_SIZE + _piece_nbytes(xf, piece, p) <= conns[server].inline_bytes:
                 # The call's only piece for this server fits inline: it travels in the announce's
                 # record (one write here, one record there: a small all-reduce is one round trip).
@@ -314,7 +321,7 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
         for p in range(npieces):
             if p in fused:
                 continue
-            server = p % nserv
+            server = owner[p % nserv]
             _take_credit(group.in_flight[server], ctx.timeout_s)
             lo, hi = p * piece, min(xf.size, (p + 1) * piece)
             sends.append(conns[server].isend(xf[lo:hi], wire.piece_tag(ctx.seq, p)))
@@ -326,7 +333,7 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
         nonlocal server
         try:
             for p, h in enumerate(results):
-                server = p % nserv
+                server = owner[p % nserv]
                 h.wait(ctx.timeout_s)
                 if xf is not out:  # widened while the next pieces are still coming
                     lo, hi = p * piece, min(xf.size, (p + 1) * piece)
@@ -339,15 +346,15 @@ def _through_servers(ctx: CallContext, group: ServerGroup, x: np.ndarray, op: op
     return finish
 
 
-def _one_record(ctx: CallContext, group: ServerGroup, conn: Connection, xf: np.ndarray, out: np.ndarray,
-                codes: tuple[int, int], op: ops.ReduceOp, flags: int, piece: int, nserv: int,
+def _one_record(ctx: CallContext, group: ServerGroup, server: int, conn: Connection, xf: np.ndarray,
+                out: np.ndarray, codes: tuple[int, int], op: ops.ReduceOp, flags: int, piece: int, nserv: int,
                 failed: Callable[[TransportError], NoReturn]) -> Finish:
     """A call that is one piece small enough to ride in the announce's record: one write out,
     one record back, all in the caller's thread (the general path's bookkeeping per piece
     and per server would cost this call several times its network time)."""
     try:
         result = conn.irecv(xf, wire.piece_tag(ctx.seq, 0))
-        in_flight = group.in_flight[0]
+        in_flight = group.in_flight[server]
         _take_credit(in_flight, ctx.timeout_s)
         in_flight.append(result)
         record = wire.encode_announce(group.job, ctx.seq, codes[0], op.code, ctx.world, ctx.rank, flags,

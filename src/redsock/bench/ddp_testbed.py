@@ -81,7 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--servers", type=int, help="reducer hosts (default: as many as workers)")
     p.add_argument("--rate", default="1gbit", help="link rate each way (default 1gbit)")
     p.add_argument("--profile", default="uniform", choices=PROFILES, help="link profile (default uniform)")
-    p.add_argument("--algos", default="gloo,ring,server", help="comma-separated: gloo, ring, server, auto")
+    p.add_argument("--algos", default=None,
+                   help="comma-separated: gloo, ring, server, auto (default gloo,ring,server; with several "
+                        "ranks per host gloo,auto,server: auto is then the hierarchy a user gets)")
     p.add_argument("--steps", type=int, default=20, help="training steps per run (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of steps/s (default 5)")
     p.add_argument("--repeats", type=int, default=1, help="rounds over the algorithms; median reported")
@@ -175,7 +177,8 @@ def _train_argv(args: argparse.Namespace, backend: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Build the testbed, train once per algorithm and repeat, report; always tear down."""
-    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    chosen = args.algos or ("gloo,ring,server" if args.ranks_per_host == 1 else "gloo,auto,server")
+    algos = [a.strip() for a in chosen.split(",") if a.strip()]
     unknown = [a for a in algos if a not in ALGOS]
     if unknown or not algos:
         raise ConfigError(f"--algos: unknown {', '.join(unknown) or '(none)'}; known: {', '.join(ALGOS)}")

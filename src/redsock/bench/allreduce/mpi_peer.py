@@ -55,7 +55,7 @@ def side_by_side(rows: list, mpi: dict[int, dict]) -> str:
     """The redsock rows (report.Row, one algorithm) and Open MPI's records by size: both
     times, their ratio, the path redsock's in-host stage took, and the busy shares."""
     out = ["# redsock against Open MPI shared memory (vader), the same sizes in the same run",
-           "#", "#       size    redsock   MPI shm   redsock/MPI  path    busy (redsock, MPI)",
+           "#", "#       size    redsock   MPI shm   redsock/MPI  path    busy (redsock, MPI)  steal (redsock, MPI)",
            "#        (B)       (us)      (us)"]
     for r in rows:
         m = mpi.get(r.bytes)
@@ -64,7 +64,8 @@ def side_by_side(rows: list, mpi: dict[int, dict]) -> str:
         extra = r.extra or {}
         out.append(f"{r.bytes:>12}  {r.median_s * 1e6:>9.1f} {m['median_s'] * 1e6:>9.1f}  {r.median_s / m['median_s']:>9.2f}x"
                    f"    {extra.get('path', extra.get('scheme', '-')):<6}  "
-                   f"{extra.get('machine_busy', float('nan')):.0%}, {m['machine_busy']:.0%}")
+                   f"{extra.get('machine_busy', float('nan')):>4.0%}, {m['machine_busy']:>4.0%}          "
+                   f"{extra.get('machine_steal', float('nan')):>4.0%}, {m.get('machine_steal', float('nan')):>4.0%}")
     return "\n".join(out) + "\n"
 
 

@@ -102,9 +102,10 @@ class Config:
     #: Large all-reduces on one host read and write the peers' buffers directly, one copy each
     #: way (Linux cross-memory attach, ``process_vm_readv``/``writev``): "auto" (where the kernel
     #: allows it; else through the arena) or "off" (through the shared arena, one copy more).
-    #: Off by default: on a quiet 2-core machine, 4 ranks, the arena was as fast or faster
-    #: (1 MiB 664 us against 1068, 2 MiB 1017 against 1841, 4-64 MiB within 10% either way).
-    shm_cma: str = "off"
+    #: From 1 MiB (``hierarchy.CMA_MIN_BYTES``).  The gain depends on the CPU: 4 ranks on a
+    #: 2-core Xeon, 16 MiB took 6.7-7.7 ms against the arena's 11.4-11.7; on a 2-core AMD EPYC
+    #: the arena was as fast or faster (1 MiB 664 us against 1068, 2 MiB 1017 against 1841).
+    shm_cma: str = "auto"
     #: Hierarchical collectives across hosts (reduce inside each host over shared memory, one
     #: shard per local rank between hosts): "auto" (whenever a host runs several ranks) or "off"
     #: (flat algorithms between hosts; a single-host job still uses shared memory).

@@ -11,7 +11,7 @@ All-reduce, piece by piece through the shared arena:
 3. every local rank copies the final shards out.
 
 On one host a rank's own shard skips the arena: it copies in the rest of its piece, and reads
-its own shard from its own buffer (:meth:`Hierarchy._all_reduce_local`).  Between hosts the
+its own shard from its own buffer (:meth:`Hierarchy._reduce_sharded`).  Between hosts the
 pieces are pipelined: every piece's shard starts its inter-host all-reduce as soon as it is
 reduced, and the copies out wait for them in a second pass (:meth:`Hierarchy._all_reduce_pipelined`).
 
@@ -26,9 +26,10 @@ through shared memory on a single host (between hosts they use the flat ring).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -60,15 +61,23 @@ PIPELINE_RAMP = 8
 WHOLE_MAX_BYTES = 64 * KiB
 #: A single-host all-reduce has every rank reduce the whole buffer from the arena (one
 #: synchronisation) while the L rows it reads, L x the buffer, fit in half the L2 cache (1 MiB
-#: per core here); larger ones are sharded (two synchronisations, :meth:`Hierarchy._all_reduce_direct`).
+#: per core here); larger ones are sharded (two synchronisations, :meth:`Hierarchy._reduce_sharded`).
 #: 4 ranks on 2 cores shared with other jobs (load 14-18), 100 back-to-back calls, 3 alternating
 #: rounds, whole / sharded by cross-memory attach: 64 KiB 131-658 / 866-3695 us, 128 KiB
 #: 915-1655 / 916-5417 us, 256 KiB 913-2295 / 878-7089 us, 1 MiB 4514-5534 / 6938-10747 us
 #: (a second sync costs most where the cores are oversubscribed, and the whole buffer's
 #: reduction once its rows leave the cache).
 WHOLE_ROWS_BYTES = 512 * KiB
+#: From this size a single-host all-reduce goes by cross-memory attach where every local rank
+#: may (:meth:`Hierarchy._reduce_direct`): below it the arena's copies cost less than the
+#: kernel's page pinning and system calls.  4 ranks on 2 cores, 100-200 back-to-back calls,
+#: alternating rounds, arena / cross-memory attach (docs/benchmarks/lab-log.md, "Several ranks
+#: per host"): 256 KiB 184-239 / 234-453 us, 512 KiB 355-745 / 385-700 us, 1 MiB 637-748 /
+#: 614-769 us, 2 MiB 1223-1570 / 1032-1109 us, 16 MiB 11.4-11.7 / 6.7-7.7 ms.
+CMA_MIN_BYTES = 1 * MiB
 #: Pieces of a cross-memory-attach all-reduce: the L - 1 peers' pieces, the result and the
-#: accumulator stay in the L2 cache (1 MiB per core here).
+#: accumulator stay in the L2 cache (1 MiB per core on AMD EPYC; 128, 256 and 512 KiB pieces
+#: measured alike on a 2 MiB-L2 Xeon).
 CMA_PIECE_BYTES = 128 * KiB
 #: How long a wait spins (yielding the CPU) before it sleeps: about as long as the wait is
 #: expected to be.  Pieces of MiBs keep peers copying for milliseconds: spin briefly.  A small
@@ -80,15 +89,19 @@ SPIN_SMALL_US = 2000
 CMA_SPIN_US = SPIN_SMALL_US
 
 
-#: How many call shapes all_reduce_here keeps prepared (a training loop's few).
-_WHOLE_KEPT = 64
+#: How many call shapes a single-host group keeps prepared (a training loop's few).
+_PLANS_KEPT = 64
 
 
-class _Whole(NamedTuple):
-    """A small single-host all-reduce of one (dtype, count, op), prepared once."""
-    rows: tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]  # each half's rows, one per local rank
+class _Plan(NamedTuple):
+    """A single-host all-reduce of one (dtype, count, op), prepared once: ``run(plan, x,
+    signature, timeout_s)`` is the path :meth:`Hierarchy.local_path` names for its size."""
+    run: Callable[["_Plan", np.ndarray, int, float], None]
     check: int  # the call's signature check
-    reduce: Callable[[tuple[np.ndarray, ...], np.ndarray], np.ndarray]
+    reduce: Callable[[Sequence[np.ndarray], np.ndarray], np.ndarray]  # ops.row_reducer
+    rows: tuple[tuple[np.ndarray, ...], ...]  # whole: each half's rows, one per local rank
+    pieces: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]  # arena: (lo, hi, every rank's shard)
+    # of each piece; cross-memory attach: (lo, hi, ()) of this rank's shard's pieces
 
 
 class Hierarchy:
@@ -118,7 +131,8 @@ class Hierarchy:
         #: Up to this size every rank reduces the whole buffer (:data:`WHOLE_ROWS_BYTES`).
         self.whole_max_bytes = WHOLE_MAX_BYTES if self.nhosts > 1 else max(WHOLE_MAX_BYTES,
                                                                             WHOLE_ROWS_BYTES // self.local.size)
-        self._whole: dict[tuple[np.dtype, int, ops.ReduceOp], _Whole] = {}  # all_reduce_here's, by call shape
+        self._plans: dict[tuple[np.dtype, int, ops.ReduceOp], _Plan] = {}  # single-host all-reduces, by shape
+        self._cma_rows: np.ndarray | None = None  # the peers' pieces and the result (calls go one at a time)
         self._tickets = itertools.count()
         self._next = 0
         self._turn = threading.Condition()
@@ -172,14 +186,13 @@ class Hierarchy:
     def all_reduce(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp, wire_dtype: np.dtype | None = None) -> None:
         """``wire_dtype``: the 16-bit type the inter-host stage carries (float32 ``x``); the
         stage inside the host sums in float32 whatever it is."""
-        if x.nbytes <= self.whole_max_bytes:  # (every local rank decides alike)
+        if self.nhosts == 1:  # (the same prepared paths as all_reduce_here's)
+            plan = self._prepared(x, op)
+            plan.run(plan, flat(x), call_signature(ctx.seq, plan.check), ctx.timeout_s)
+        elif x.nbytes <= self.whole_max_bytes:  # (every local rank decides alike)
             self._all_reduce_whole(ctx, x, op, wire_dtype)
-        elif self.nhosts > 1:
-            self._all_reduce_pipelined(ctx, x, op, wire_dtype)
-        elif self.local.cma:
-            self._all_reduce_direct(ctx, x, op)
         else:
-            self._all_reduce_local(ctx, x, op)
+            self._all_reduce_pipelined(ctx, x, op, wire_dtype)
 
     def local_path(self, nbytes: int) -> str:
         """How an all-reduce of ``nbytes`` moves data inside this host: "whole" (every rank
@@ -187,56 +200,112 @@ class Hierarchy:
         ranks' buffers) or "arena" (sharded, through the arena)."""
         if nbytes <= self.whole_max_bytes:
             return "whole"
-        return "cma" if self.nhosts == 1 and self.local.cma else "arena"
+        return "cma" if self.nhosts == 1 and self.local.cma and nbytes >= CMA_MIN_BYTES else "arena"
 
     def runs_here(self, nbytes: int) -> bool:
-        """Whether a synchronous all-reduce of ``nbytes`` can be :meth:`all_reduce_here`."""
-        return self.nhosts == 1 and nbytes <= self.whole_max_bytes
+        """Whether a synchronous all-reduce of ``nbytes`` can be :meth:`all_reduce_here`
+        (every size on a single host: it crosses no host link)."""
+        return self.nhosts == 1
 
     def all_reduce_here(self, ticket: int, x: np.ndarray, op: ops.ReduceOp, seq: int, timeout_s: float) -> None:
-        """A small all-reduce on one host in the caller's thread, without a call context
-        (``seq``: the call's number), prepared once per call shape (:class:`_Whole`).  4 ranks
-        on 2 cores switch process once per rank and call, and every line after a switch runs
+        """A single-host all-reduce in the caller's thread, without a call context (``seq``:
+        the call's number), prepared once per call shape (:class:`_Plan`).  4 ranks on 2
+        cores switch process once per rank and sync, and every line after a switch runs
         cold: a line costs several times what it does in a loop (4 ranks, 8 B, 3000 calls,
-        3 alternating rounds: 127-154 us median per-call maximum with the rows looked up, the
-        signature hashed and the reduction dispatched on every call, 79-96 us prepared)."""
+        3 alternating rounds: 127-154 us median per-call maximum with the rows looked up,
+        the signature hashed and the reduction dispatched on every call, 79-96 us prepared)."""
         self._await_turn(ticket)
         try:
-            whole = self._prepared(x, op)
-            self._reduce_whole_here(whole, x, call_signature(seq, whole.check), timeout_s)
+            plan = self._prepared(x, op)
+            plan.run(plan, x if x.ndim == 1 else x.reshape(-1), call_signature(seq, plan.check), timeout_s)
         finally:
             self._end_turn(ticket)
 
-    def _prepared(self, x: np.ndarray, op: ops.ReduceOp) -> _Whole:
-        """The small all-reduce of ``x``'s shape with ``op``, prepared on its first call."""
+    def _prepared(self, x: np.ndarray, op: ops.ReduceOp) -> _Plan:
+        """The single-host all-reduce of ``x``'s shape with ``op``, prepared on its first call."""
         key = (x.dtype, x.size, op)
-        whole = self._whole.get(key)
-        if whole is None:
-            if len(self._whole) >= _WHOLE_KEPT:
-                self._whole.clear()
-            g = self.local
-            whole = self._whole[key] = _Whole(
-                tuple(tuple(g.rows(half, x.dtype, x.size)) for half in (0, 1)),
-                signature_check("all_reduce", key + ("hier",)), ops.row_reducer(x.dtype, op, self.world))
-        return whole
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            g, dt, n = self.local, x.dtype, x.size
+            path = self.local_path(x.nbytes)
+            rows: tuple = ()
+            pieces: tuple = ()
+            if path == "whole":
+                run, rows = Hierarchy._reduce_whole_here, tuple(tuple(g.rows(half, dt, n)) for half in (0, 1))
+            elif path == "arena":
+                run = Hierarchy._reduce_sharded
+                pieces = tuple((lo, hi, tuple(partition(hi - lo, g.size)))
+                               for lo, hi in chunks(0, n, LOCAL_PIECE_BYTES // dt.itemsize))
+            else:
+                run = Hierarchy._reduce_direct
+                a, b = partition(n, g.size)[g.me]
+                pieces = tuple((lo, hi, ()) for lo, hi in chunks(a, b, max(1, CMA_PIECE_BYTES // dt.itemsize)))
+            plan = self._plans[key] = _Plan(functools.partial(run, self), signature_check("all_reduce", key + ("hier",)),
+                                            ops.row_reducer(dt, op, self.world), rows, pieces)
+        return plan
 
-    def _reduce_whole_here(self, whole: _Whole, x: np.ndarray, signature: int, timeout_s: float) -> None:
+    def _reduce_whole_here(self, plan: _Plan, x: np.ndarray, signature: int, timeout_s: float) -> None:
         """One host, a small buffer: every rank copies it in, and reduces all of them alike."""
         g = self.local
-        rows = whole.rows[g.next_half()]
-        xf = x if x.ndim == 1 else x.reshape(-1)
-        ops.copy(rows[g.me], xf)
+        rows = plan.rows[g.next_half()]
+        ops.copy(rows[g.me], x)
         g.sync(signature, SPIN_SMALL_US, timeout_s)
-        whole.reduce(rows, xf)
+        plan.reduce(rows, x)
+
+    def _reduce_sharded(self, plan: _Plan, x: np.ndarray, signature: int, timeout_s: float) -> None:
+        """One host, piece by piece through the arena: each rank copies its piece into its
+        region but for its own shard (only it reads that, from its own buffer), reduces its
+        shard into that gap, and copies every shard's result out.  Two syncs per piece: a
+        piece's results are read while they are still in the caches (one sync per piece,
+        copying piece k-1's results out after reducing piece k, measured slower at 16 MiB)."""
+        g, me, dt = self.local, self.local.me, x.dtype
+        sig: int | None = signature
+        for lo, hi, bounds in plan.pieces:
+            rows = g.rows(g.next_half(), dt, hi - lo)
+            a, b = bounds[me]
+            ops.copy(rows[me][:a], x[lo:lo + a])
+            ops.copy(rows[me][b:], x[lo + b:hi])
+            g.sync(sig, timeout_s=timeout_s)
+            sig = None
+            inputs = [v[a:b] for v in rows]
+            inputs[me] = x[lo + a:lo + b]
+            plan.reduce(inputs, rows[me][a:b])
+            g.sync(None, timeout_s=timeout_s)
+            for j, (a, b) in enumerate(bounds):
+                ops.copy(x[lo + a:lo + b], rows[j][a:b])
+
+    def _reduce_direct(self, plan: _Plan, x: np.ndarray, signature: int, timeout_s: float) -> None:
+        """One host, one copy each way (cross-memory attach): every rank publishes its
+        buffer; local rank j reads the peers' shard j straight from their buffers, piece by
+        piece, reduces it and writes the result straight back into every buffer.  Only rank
+        j touches shard j anywhere, so nobody waits between: two syncs per call whatever the
+        size (the buffers are published and hold the inputs; every shard is written)."""
+        g, me, dt = self.local, self.local.me, x.dtype
+        step = max(1, CMA_PIECE_BYTES // dt.itemsize)
+        if self._cma_rows is None:
+            self._cma_rows = np.empty(g.size * CMA_PIECE_BYTES, np.uint8)
+        rows = self._cma_rows[:g.size * step * dt.itemsize].view(dt).reshape(g.size, step)
+        peers = [lr for lr in range(g.size) if lr != me]
+        g.publish(x)
+        g.sync(signature, CMA_SPIN_US, timeout_s)
+        for lo, hi, _ in plan.pieces:
+            inputs = [x[lo:hi] if lr == me else rows[lr, :hi - lo] for lr in range(g.size)]
+            for lr in peers:
+                g.read_from(lr, lo * dt.itemsize, inputs[lr])
+            # (into a row of its own: reduced into x, the ufuncs would overwrite this rank's input first)
+            out = plan.reduce(inputs, rows[me, :hi - lo])
+            for lr in peers:
+                g.write_to(lr, lo * dt.itemsize, out)
+            ops.copy(x[lo:hi], out)
+        g.sync(None, CMA_SPIN_US, timeout_s)
 
     def _all_reduce_whole(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp,
                           wire_dtype: np.dtype | None = None) -> None:
-        """A small buffer in one piece: on one host every rank reduces all of it (one sync);
-        across hosts local rank 0 reduces it, all-reduces it with the other hosts' rank 0
-        from this thread, and the others copy the result."""
+        """Across hosts, a small buffer in one piece: local rank 0 reduces it, all-reduces it
+        with the other hosts' rank 0 from this thread, and the others copy the result."""
         signature = call_signature(ctx.seq, ctx.check)
-        if self.nhosts == 1:
-            return self._reduce_whole_here(self._prepared(x, op), x, signature, ctx.timeout_s)
         g, xf = self.local, flat(x)
         views = g.rows(g.next_half(), xf.dtype, xf.size)
         ops.copy(views[g.me], xf)
@@ -248,57 +317,6 @@ class Hierarchy:
         g.sync(None, SPIN_SMALL_US, ctx.timeout_s)
         if g.me != 0:
             ops.copy(xf, views[0])
-
-    def _all_reduce_local(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
-        """One host, piece by piece: each rank copies its piece into its region but for its
-        own shard (only it reads that, from its own buffer), reduces its shard into that gap,
-        and copies every shard's result out.  Two syncs per piece: a piece's results are
-        read while they are still in the caches (one sync per piece, copying piece k-1's
-        results out after reducing piece k, measured slower at 16 MiB)."""
-        g, xf = self.local, flat(x)
-        me, dt = g.me, x.dtype
-        sig = call_signature(ctx.seq, ctx.check)
-        for lo, hi in chunks(0, xf.size, LOCAL_PIECE_BYTES // dt.itemsize):
-            rows = g.rows(g.next_half(), dt, hi - lo)
-            bounds = partition(hi - lo, g.size)
-            a, b = bounds[me]
-            ops.copy(rows[me][:a], xf[lo:lo + a])
-            ops.copy(rows[me][b:], xf[lo + b:hi])
-            g.sync(sig, timeout_s=ctx.timeout_s)
-            sig = None
-            inputs = [v[a:b] for v in rows]
-            inputs[me] = xf[lo + a:lo + b]
-            ops.reduce_rows(inputs, op, self.world, rows[me][a:b], ctx.scratch)
-            g.sync(None, timeout_s=ctx.timeout_s)
-            for j, (a, b) in enumerate(bounds):
-                ops.copy(xf[lo + a:lo + b], rows[j][a:b])
-
-    def _all_reduce_direct(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp) -> None:
-        """One host, one copy each way (cross-memory attach): every rank publishes its
-        buffer; local rank j reads the peers' shard j straight from their buffers, piece by
-        piece, reduces it and writes the result straight back into every buffer.  Only rank
-        j touches shard j anywhere, so nobody waits between: two syncs per call whatever the
-        size (the buffers are published and hold the inputs; every shard is written)."""
-        g, xf = self.local, flat(x)
-        me, dt = g.me, x.dtype
-        a, b = partition(xf.size, g.size)[me]
-        step = max(1, CMA_PIECE_BYTES // dt.itemsize)
-        rows = ctx.scratch(g.size * step, dt).reshape(g.size, step)  # the peers' pieces and the result
-        acc = ctx.scratch(step, ops.accum_dtype(dt))
-        g.publish(xf)
-        g.sync(call_signature(ctx.seq, ctx.check), CMA_SPIN_US, ctx.timeout_s)
-        for lo, hi in chunks(a, b, step):
-            inputs = [xf[lo:hi] if lr == me else rows[lr, :hi - lo] for lr in range(g.size)]
-            for lr in range(g.size):
-                if lr != me:
-                    g.read_from(lr, lo * dt.itemsize, inputs[lr])
-            # (into a row of its own: reduced into xf, the ufuncs would overwrite this rank's input first)
-            out = ops.reduce_rows(inputs, op, self.world, rows[me, :hi - lo], lambda n, _: acc[:n])
-            for lr in range(g.size):
-                if lr != me:
-                    g.write_to(lr, lo * dt.itemsize, out)
-            ops.copy(xf[lo:hi], out)
-        g.sync(None, CMA_SPIN_US, ctx.timeout_s)
 
     def _all_reduce_pipelined(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp,
                               wire_dtype: np.dtype | None) -> None:

@@ -165,6 +165,10 @@ class LocalGroup:
             base = self._bytes.ctypes.data
             self._step_addr = [base + lr * _LINE_WORDS * 8 for lr in range(self.size)]
             self._fence = threading.Lock()
+            # The two iovecs of a cross-memory copy, made once (a copy costs microseconds; the
+            # arena serves one call at a time, so one pair serves them all).
+            self._iov = (_IoVec(), _IoVec())
+            self._iov_refs = (ctypes.byref(self._iov[0]), ctypes.byref(self._iov[1]))
             # Every rank's counter, signatures and sleep word, as strided views (read in C, not a Python loop).
             self._steps = self._words[0:self.size * _LINE_WORDS:_LINE_WORDS]
             self._signatures = [self._words[w:self.size * _LINE_WORDS:_LINE_WORDS] for w in (1, 2)]
@@ -269,9 +273,11 @@ class LocalGroup:
     def _move(self, fn: Any, lr: int, offset: int, local: np.ndarray) -> None:
         size, done = local.nbytes, 0
         here, there = local.ctypes.data, self._words[lr * _LINE_WORDS + _ADDR] + offset
+        mine, theirs = self._iov
         while done < size:  # (the kernel may stop at a page boundary)
-            mine, theirs = _IoVec(here + done, size - done), _IoVec(there + done, size - done)
-            moved = fn(self.pids[lr], ctypes.byref(mine), 1, ctypes.byref(theirs), 1, 0)
+            mine.iov_base, theirs.iov_base = here + done, there + done
+            mine.iov_len = theirs.iov_len = size - done
+            moved = fn(self.pids[lr], self._iov_refs[0], 1, self._iov_refs[1], 1, 0)
             if moved > 0:
                 done += moved
                 continue

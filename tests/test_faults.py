@@ -64,6 +64,20 @@ def test_another_shape_than_the_algorithms_own():
         faults.matrix(["ring"], ["kill"], hosts=1)
 
 
+def test_a_cut_off_rank_may_name_any_reducer():
+    """With several reducers, a cut-off host's rank names the one it was waiting on, which is on
+    the far side of the cut like every other (the issue's case 3 with 2 reducer hosts: rank 1
+    named s1's address, and the check wanted s0's); naming nobody, or itself, stays wrong."""
+    cell = faults.matrix(["reducers"], ["link"], hosts=4, elements=2 << 20)[0]
+    slots = cell.slots()
+    cut = next(s for s in slots if s.host == faults.VICTIM_HOST)
+    s0, s1 = "198.18.0.101:7700", "198.18.0.102:7700"
+    said = f"rank {cut.rank}: all_reduce #3 failed: reduction server {s1} failed: recv: timeout"
+    assert faults._blame_problems(cell, cut, slots, {"ranks": [], "message": said}, s0, [s0, s1]) == []
+    assert faults._blame_problems(cell, cut, slots, {"ranks": [], "message": "timeout"}, s0, [s0, s1])
+    assert faults._blame_problems(cell, cut, slots, {"ranks": [cut.rank], "message": said}, s0, [s0, s1])
+
+
 def test_left_behind_arenas_are_the_cells_own():
     """/dev/shm is the whole machine's: a cell counts only the arenas its own ranks created."""
     mine = Path("/dev/shm") / f"redsock-{os.getpid()}-faultstest"

@@ -207,7 +207,8 @@ def run_cell(tb: Testbed, cell: Cell, timeout_s: float, logdir: Path, port: int,
     world = len(slots)
     uses_reducer = cell.algo in USES_REDUCER
     victims = cell.victims()
-    reducer_addr = f"{tb.host_addr(REDUCER_HOST)}:{SERVER_PORT}"
+    reducer_addr = f"{tb.host_addr(REDUCER_HOST)}:{SERVER_PORT}"  # the one the reducer faults hit
+    every_reducer = [f"{tb.host_addr(name)}:{SERVER_PORT}" for name in tb.server_names]
     servers: list[Proc] = []
     ranks: list[_Rank] = []
     problems: list[str] = []
@@ -296,8 +297,8 @@ def run_cell(tb: Testbed, cell: Cell, timeout_s: float, logdir: Path, port: int,
                 continue
             if dt > limit:
                 problems.append(f"{who}: PeerFailure after {dt:.1f} s (> {limit:.0f} s)")
-            problems += _blame_problems(cell, r.slot, slots, end, reducer_addr)
-        happened = _summary(cell, alive, victims, reducer_addr)
+            problems += _blame_problems(cell, r.slot, slots, end, reducer_addr, every_reducer)
+        happened = _summary(cell, alive, victims, [reducer_addr, *every_reducer])
         seconds = max(times) if times else None
     except RedsockError as e:
         problems.append(str(e))
@@ -332,9 +333,10 @@ def run_cell(tb: Testbed, cell: Cell, timeout_s: float, logdir: Path, port: int,
 
 
 def _blame_problems(cell: Cell, slot: RankSlot, slots: list[RankSlot], end: dict[str, Any],
-                    reducer_addr: str) -> list[str]:
-    """Whom a survivor's PeerFailure names must be right: the victims, or the reducer; from a
-    cut-off host, someone on the far side of the cut."""
+                    reducer_addr: str, every_reducer: Sequence[str] = ()) -> list[str]:
+    """Whom a survivor's PeerFailure names must be right: the victims, or the reducer (the one
+    the fault hit, ``reducer_addr``); from a cut-off host, someone on the far side of the cut,
+    which is every reducer (``every_reducer``: with several, the one it waited on)."""
     who, named, msg = f"rank {slot.rank}", set(end.get("ranks", [])), end.get("message", "")
     if cell.fault in REDUCER_FAULTS:
         if reducer_addr not in msg or named:
@@ -342,9 +344,9 @@ def _blame_problems(cell: Cell, slot: RankSlot, slots: list[RankSlot], end: dict
         return []
     if cell.fault == "link" and slot.host == VICTIM_HOST:
         far = {s.rank for s in slots if s.host != VICTIM_HOST}
-        if named and named <= far or (not named and reducer_addr in msg):
+        if named and named <= far or (not named and any(a in msg for a in (reducer_addr, *every_reducer))):
             return []
-        return [f"{who} (cut off) named {sorted(named)}, want ranks of {sorted(far)} or the reducer: {msg}"]
+        return [f"{who} (cut off) named {sorted(named)}, want ranks of {sorted(far)} or a reducer: {msg}"]
     victims = set(cell.victims())
     if not named or not named <= victims:
         return [f"{who} named {sorted(named)}, want {sorted(victims)}: {msg}"]
@@ -360,7 +362,7 @@ def _expected(cell: Cell, timeout_s: float, reducer_addr: str) -> str:
     return f"PeerFailure naming {who} <= {timeout_s + GRACE_S:.0f} s"
 
 
-def _summary(cell: Cell, alive: list[_Rank], victims: list[int], reducer_addr: str) -> str:
+def _summary(cell: Cell, alive: list[_Rank], victims: list[int], reducers: Sequence[str]) -> str:
     """What the ranks still alive reported, grouped: ``0,2: PeerFailure [1]``."""
     groups: dict[str, list[int]] = {}
     for r in alive:
@@ -375,8 +377,8 @@ def _summary(cell: Cell, alive: list[_Rank], victims: list[int], reducer_addr: s
             what = f"WRONG at step {end['i']}"
         else:
             named = end.get("ranks") or []
-            what = end.get("kind", "?") + (f" {named}" if named else
-                                           " " + reducer_addr if reducer_addr in end.get("message", "") else "")
+            addr = next((a for a in reducers if a in end.get("message", "")), "")  # (the reducer it names)
+            what = end.get("kind", "?") + (f" {named}" if named else f" {addr}" if addr else "")
         groups.setdefault(what, []).append(r.slot.rank)
     return "; ".join(f"{','.join(map(str, rs))}: {w}" for w, rs in groups.items())
 

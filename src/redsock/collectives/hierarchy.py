@@ -26,7 +26,6 @@ through shared memory on a single host (between hosts they use the flat ring).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -187,8 +186,7 @@ class Hierarchy:
         """``wire_dtype``: the 16-bit type the inter-host stage carries (float32 ``x``); the
         stage inside the host sums in float32 whatever it is."""
         if self.nhosts == 1:  # (the same prepared paths as all_reduce_here's)
-            plan = self._prepared(x, op)
-            plan.run(plan, flat(x), call_signature(ctx.seq, plan.check), ctx.timeout_s)
+            self._reduce_here(x, op, ctx.seq, ctx.timeout_s)
         elif x.nbytes <= self.whole_max_bytes:  # (every local rank decides alike)
             self._all_reduce_whole(ctx, x, op, wire_dtype)
         else:
@@ -216,10 +214,14 @@ class Hierarchy:
         the signature hashed and the reduction dispatched on every call, 79-96 us prepared)."""
         self._await_turn(ticket)
         try:
-            plan = self._prepared(x, op)
-            plan.run(plan, x if x.ndim == 1 else x.reshape(-1), call_signature(seq, plan.check), timeout_s)
+            self._reduce_here(x, op, seq, timeout_s)
         finally:
             self._end_turn(ticket)
+
+    def _reduce_here(self, x: np.ndarray, op: ops.ReduceOp, seq: int, timeout_s: float) -> None:
+        """Call number ``seq``, a single-host all-reduce, by its prepared plan (in its turn)."""
+        plan = self._prepared(x, op)
+        plan.run(plan, x if x.ndim == 1 else x.reshape(-1), call_signature(seq, plan.check), timeout_s)
 
     def _prepared(self, x: np.ndarray, op: ops.ReduceOp) -> _Plan:
         """The single-host all-reduce of ``x``'s shape with ``op``, prepared on its first call."""
@@ -232,17 +234,18 @@ class Hierarchy:
             path = self.local_path(x.nbytes)
             rows: tuple = ()
             pieces: tuple = ()
+            run: Callable[[_Plan, np.ndarray, int, float], None]
             if path == "whole":
-                run, rows = Hierarchy._reduce_whole_here, tuple(tuple(g.rows(half, dt, n)) for half in (0, 1))
+                run, rows = self._reduce_whole_here, tuple(tuple(g.rows(half, dt, n)) for half in (0, 1))
             elif path == "arena":
-                run = Hierarchy._reduce_sharded
+                run = self._reduce_sharded
                 pieces = tuple((lo, hi, tuple(partition(hi - lo, g.size)))
                                for lo, hi in chunks(0, n, LOCAL_PIECE_BYTES // dt.itemsize))
             else:
-                run = Hierarchy._reduce_direct
+                run = self._reduce_direct
                 a, b = partition(n, g.size)[g.me]
                 pieces = tuple((lo, hi, ()) for lo, hi in chunks(a, b, max(1, CMA_PIECE_BYTES // dt.itemsize)))
-            plan = self._plans[key] = _Plan(functools.partial(run, self), signature_check("all_reduce", key + ("hier",)),
+            plan = self._plans[key] = _Plan(run, signature_check("all_reduce", key + ("hier",)),
                                             ops.row_reducer(dt, op, self.world), rows, pieces)
         return plan
 

@@ -208,7 +208,7 @@ def run_cell(tb: Testbed, cell: Cell, timeout_s: float, logdir: Path, port: int,
     uses_reducer = cell.algo in USES_REDUCER
     victims = cell.victims()
     reducer_addr = f"{tb.host_addr(REDUCER_HOST)}:{SERVER_PORT}"  # the one the reducer faults hit
-    every_reducer = [f"{tb.host_addr(name)}:{SERVER_PORT}" for name in tb.server_names]
+    every_reducer = [f"{tb.host_addr(name)}:{SERVER_PORT}" for name in tb.server_names]  # (s0 among them)
     servers: list[Proc] = []
     ranks: list[_Rank] = []
     problems: list[str] = []
@@ -298,7 +298,7 @@ def run_cell(tb: Testbed, cell: Cell, timeout_s: float, logdir: Path, port: int,
             if dt > limit:
                 problems.append(f"{who}: PeerFailure after {dt:.1f} s (> {limit:.0f} s)")
             problems += _blame_problems(cell, r.slot, slots, end, reducer_addr, every_reducer)
-        happened = _summary(cell, alive, victims, [reducer_addr, *every_reducer])
+        happened = _summary(cell, alive, victims, every_reducer)
         seconds = max(times) if times else None
     except RedsockError as e:
         problems.append(str(e))
@@ -333,7 +333,7 @@ def run_cell(tb: Testbed, cell: Cell, timeout_s: float, logdir: Path, port: int,
 
 
 def _blame_problems(cell: Cell, slot: RankSlot, slots: list[RankSlot], end: dict[str, Any],
-                    reducer_addr: str, every_reducer: Sequence[str] = ()) -> list[str]:
+                    reducer_addr: str, every_reducer: Sequence[str]) -> list[str]:
     """Whom a survivor's PeerFailure names must be right: the victims, or the reducer (the one
     the fault hit, ``reducer_addr``); from a cut-off host, someone on the far side of the cut,
     which is every reducer (``every_reducer``: with several, the one it waited on)."""
@@ -344,7 +344,7 @@ def _blame_problems(cell: Cell, slot: RankSlot, slots: list[RankSlot], end: dict
         return []
     if cell.fault == "link" and slot.host == VICTIM_HOST:
         far = {s.rank for s in slots if s.host != VICTIM_HOST}
-        if named and named <= far or (not named and any(a in msg for a in (reducer_addr, *every_reducer))):
+        if named and named <= far or (not named and any(a in msg for a in every_reducer)):
             return []
         return [f"{who} (cut off) named {sorted(named)}, want ranks of {sorted(far)} or a reducer: {msg}"]
     victims = set(cell.victims())

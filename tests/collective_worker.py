@@ -346,6 +346,39 @@ def shm_mismatch(comm, rank, world):
     raise AssertionError("a size mismatch went unnoticed")
 
 
+def shm_checks_after_a_plan(comm, rank, world):
+    """Once a shape has run (its plan is made and kept), arrays of that dtype and size that
+    are not fit to reduce in place still raise ConfigError, every call's checks are kept,
+    and a good call of the same shape, flat or not, still sums right."""
+    assert comm.hier is not None and comm.hier.nhosts == 1
+    x = make_input(1000, np.dtype(np.float32), ops.ReduceOp.SUM, rank, 5)
+    ref = reference(1000, np.dtype(np.float32), ops.ReduceOp.SUM, world, 5)
+    comm.all_reduce(x.copy())
+    readonly = x.copy()
+    readonly.flags.writeable = False
+    bad = {"strided": np.repeat(x, 2)[::2], "fortran": np.asfortranarray(x.reshape(20, 50)),
+           "read-only": readonly, "a list": list(x), "an unknown op": x.copy()}
+    for what, arr in bad.items():
+        try:
+            comm.all_reduce(arr, "bogus" if what == "an unknown op" else "sum")
+        except ConfigError as e:
+            print(f"{what}: ConfigError: {e}", flush=True)
+        else:
+            raise AssertionError(f"{what}: no ConfigError once the shape has a plan")
+    for shape in ((1000,), (20, 50)):
+        y = x.copy().reshape(shape)
+        comm.all_reduce(y)
+        assert count_wrong(y.reshape(-1), ref) == 0 and y.shape == shape
+        digest(y)
+    comm.close()
+    try:
+        comm.all_reduce(x.copy())
+    except ConfigError as e:
+        assert "closed" in str(e), e
+    else:
+        raise AssertionError("a closed communicator reduced")
+
+
 def raises(comm, rank, world):
     comm.all_reduce(np.ones(10, np.float32))
     raise RuntimeError("the training script fails")

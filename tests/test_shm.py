@@ -84,6 +84,18 @@ def test_mismatched_calls_on_one_host_raise_clearly(differs):
         assert "different dtype, size or op" in out, out
 
 
+def test_a_prepared_shape_keeps_every_check():
+    """Calls of a shape that ran before take a short way (its plan is kept): bad arrays of that
+    shape still raise ConfigError on every rank, and good ones still sum right, alike everywhere."""
+    outs = run_world("shm_checks_after_a_plan", 3, timeout=60)
+    for r, (code, out, err) in enumerate(outs):
+        assert code == 0 and out.rstrip().endswith("ok"), f"rank {r}:\n{err[-3000:]}"
+        for what in ("strided", "fortran", "read-only", "a list", "an unknown op"):
+            assert f"{what}: ConfigError" in out, out
+        assert "not C-contiguous" in out and "read-only" in out and "unsupported reduction op" in out
+    assert digests(outs[1][1]) == digests(outs[0][1]) == digests(outs[2][1])
+
+
 @pytest.mark.parametrize("count, cma", [(2, "auto"), (8 << 20, "auto"), (8 << 20, "off")])
 def test_killed_local_rank_makes_the_others_raise_peer_failure(count, cma):
     """kill -9 of a rank mid-collective (small and large all-reduces, by cross-memory attach

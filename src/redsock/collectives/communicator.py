@@ -99,10 +99,14 @@ class Communicator:
         self.servers: ServerGroup | None = None
         self.hier: Hierarchy | None = None
         self._closed = False
+        #: The hierarchy when every all-reduce of default algorithm runs on this one host (the fast path).
+        self._here: Hierarchy | None = None
         try:
             if self._uses_hierarchy():
                 self.hier = Hierarchy(self.peers, self.config, functools.partial(
                     self._inter_host_comm, store, advertise_toward))
+                if self.hier.nhosts == 1 and self.config.algo in ("auto", "hier"):
+                    self._here = self.hier
             if self.config.servers:
                 self.servers = ServerGroup(self.config.servers, self.config, self._job_id(store), rank, world_size,
                                            self._global_ranks)
@@ -138,6 +142,16 @@ class Communicator:
         whereas asking for it here with them raises :class:`ConfigError`.  On the fp16 wire
         a result that is not finite raises :class:`~redsock.errors.WireOverflow` on every rank.
         """
+        here = self._here
+        if here is not None and type(array) is np.ndarray and not (async_op or algorithm or wire_dtype):
+            # A synchronous call of a shape this host ran before, in the fewest Python steps
+            # (after each process switch every step runs cache-cold): its plan was made after
+            # the checks below, so only the array's layout is left to check.
+            plan = here.plan_of(array, ops.ReduceOp.parse(op))
+            if plan is not None:
+                flags = array.flags
+                if flags.c_contiguous and flags.writeable:
+                    return self._all_reduce_here(array, plan)
         x = _check_array(array, "all_reduce", writable=True)
         rop = ops.ReduceOp.parse(op)
         explicit = wire_dtype is not None
@@ -160,7 +174,7 @@ class Communicator:
         signature = (x.dtype, x.size, rop, algo) if wire is None else (x.dtype, x.size, rop, algo, wire)
         if algo == "hier":
             if not async_op and self.hier.runs_here(x.nbytes):  # one host: no wire to shrink
-                return self._all_reduce_here(x, rop)
+                return self._all_reduce_here(x, self.hier.plan(x, rop))
             body, shared = (lambda ctx: self.hier.all_reduce(ctx, x, rop, wire)), True
         else:
             run = ALLREDUCE_ALGORITHMS[algo]
@@ -390,12 +404,12 @@ class Communicator:
             self._seq += 1
             return seq, self.hier.ticket() if shared else -1
 
-    def _all_reduce_here(self, x: np.ndarray, rop: ops.ReduceOp) -> None:
-        """A small synchronous all-reduce on one host: :meth:`Hierarchy.all_reduce_here`,
-        with none of :meth:`_run`'s call context (it says why)."""
+    def _all_reduce_here(self, x: np.ndarray, plan: Any) -> None:
+        """A synchronous all-reduce on one host by its prepared ``plan``:
+        :meth:`Hierarchy.all_reduce_here`, with none of :meth:`_run`'s call context (it says why)."""
         seq, ticket = self._number_call(shared=True)
         try:
-            self.hier.all_reduce_here(ticket, x, rop, seq, timeout_for_call(self.config.timeout_s))
+            self.hier.all_reduce_here(ticket, plan, x, seq, timeout_for_call(self.config.timeout_s))
         except RedsockError as e:
             raise self._failed("all_reduce", seq, e) from e
 

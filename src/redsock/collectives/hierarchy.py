@@ -72,8 +72,10 @@ WHOLE_ROWS_BYTES = 512 * KiB
 #: kernel's page pinning and system calls.  4 ranks on 2 cores, 100-200 back-to-back calls,
 #: alternating rounds, arena / cross-memory attach (docs/benchmarks/lab-log.md, "Several ranks
 #: per host"): 256 KiB 184-239 / 234-453 us, 512 KiB 355-745 / 385-700 us, 1 MiB 637-748 /
-#: 614-769 us, 2 MiB 1223-1570 / 1032-1109 us, 16 MiB 11.4-11.7 / 6.7-7.7 ms.
-CMA_MIN_BYTES = 1 * MiB
+#: 614-769 us, 2 MiB 1223-1570 / 1032-1109 us, 16 MiB 11.4-11.7 / 6.7-7.7 ms.  Again on
+#: 2026-12-05, 3 alternating runs of 4 x 300 calls: 512 KiB 348-411 / 297-332 us, 256 KiB
+#: 145-184 / 171-309 us; 2 ranks (a core each), 512 KiB 84-90 / 67-108 us.
+CMA_MIN_BYTES = 512 * KiB
 #: Pieces of a cross-memory-attach all-reduce: the L - 1 peers' pieces, the result and the
 #: accumulator stay in the L2 cache (1 MiB per core on AMD EPYC; 128, 256 and 512 KiB pieces
 #: measured alike on a 2 MiB-L2 Xeon).
@@ -156,16 +158,19 @@ class Hierarchy:
 
     def _await_turn(self, ticket: int) -> None:
         if self._next != ticket or self._broken:  # (no lock needed to see that it is our turn)
-            with self._turn:
-                self._waiting += 1  # before the check: a call finishing now sees that it must notify
-                try:
-                    if not self._turn.wait_for(lambda: self._next == ticket or self._broken, self._timeout_s):
-                        raise Timeout(f"an earlier shared-memory collective did not finish in "
-                                      f"{self._timeout_s:g}s", op="shared-memory collective")
-                finally:
-                    self._waiting -= 1
-                if self._broken:
-                    raise PeerFailure("the communicator failed or was closed", ranks=())
+            self._wait_turn(ticket)
+
+    def _wait_turn(self, ticket: int) -> None:
+        with self._turn:
+            self._waiting += 1  # before the check: a call finishing now sees that it must notify
+            try:
+                if not self._turn.wait_for(lambda: self._next == ticket or self._broken, self._timeout_s):
+                    raise Timeout(f"an earlier shared-memory collective did not finish in "
+                                  f"{self._timeout_s:g}s", op="shared-memory collective")
+            finally:
+                self._waiting -= 1
+            if self._broken:
+                raise PeerFailure("the communicator failed or was closed", ranks=())
 
     def _end_turn(self, ticket: int) -> None:
         self._next = ticket + 1
@@ -186,7 +191,8 @@ class Hierarchy:
         """``wire_dtype``: the 16-bit type the inter-host stage carries (float32 ``x``); the
         stage inside the host sums in float32 whatever it is."""
         if self.nhosts == 1:  # (the same prepared paths as all_reduce_here's)
-            self._reduce_here(x, op, ctx.seq, ctx.timeout_s)
+            plan = self.plan(x, op)
+            plan.run(plan, x if x.ndim == 1 else x.reshape(-1), call_signature(ctx.seq, plan.check), ctx.timeout_s)
         elif x.nbytes <= self.whole_max_bytes:  # (every local rank decides alike)
             self._all_reduce_whole(ctx, x, op, wire_dtype)
         else:
@@ -205,26 +211,30 @@ class Hierarchy:
         (every size on a single host: it crosses no host link)."""
         return self.nhosts == 1
 
-    def all_reduce_here(self, ticket: int, x: np.ndarray, op: ops.ReduceOp, seq: int, timeout_s: float) -> None:
+    def all_reduce_here(self, ticket: int, plan: _Plan, x: np.ndarray, seq: int, timeout_s: float) -> None:
         """A single-host all-reduce in the caller's thread, without a call context (``seq``:
         the call's number), prepared once per call shape (:class:`_Plan`).  4 ranks on 2
         cores switch process once per rank and sync, and every line after a switch runs
         cold: a line costs several times what it does in a loop (4 ranks, 8 B, 3000 calls,
         3 alternating rounds: 127-154 us median per-call maximum with the rows looked up,
-        the signature hashed and the reduction dispatched on every call, 79-96 us prepared)."""
-        self._await_turn(ticket)
+        the signature hashed and the reduction dispatched on every call, 79-96 us prepared).
+        The caller passes the plan: :meth:`Communicator.all_reduce` finds it before its own
+        checks (a shape that has a plan passed them), a short way worth 1-4 us per call
+        (ranks pinned 2 per core, 8 B, 6 alternating runs: 19.8-26.4 us against 23.9-36.3)."""
+        if self._next != ticket or self._broken:  # (:meth:`_await_turn`, inline: its call costs more than the test)
+            self._wait_turn(ticket)
         try:
-            self._reduce_here(x, op, seq, timeout_s)
+            plan.run(plan, x if x.ndim == 1 else x.reshape(-1), call_signature(seq, plan.check), timeout_s)
         finally:
             self._end_turn(ticket)
 
-    def _reduce_here(self, x: np.ndarray, op: ops.ReduceOp, seq: int, timeout_s: float) -> None:
-        """Call number ``seq``, a single-host all-reduce, by its prepared plan (in its turn)."""
-        plan = self._prepared(x, op)
-        plan.run(plan, x if x.ndim == 1 else x.reshape(-1), call_signature(seq, plan.check), timeout_s)
+    def plan_of(self, x: np.ndarray, op: ops.ReduceOp) -> _Plan | None:
+        """The single-host all-reduce of ``x``'s shape with ``op`` if it was prepared, else None."""
+        return self._plans.get((x.dtype, x.size, op))
 
-    def _prepared(self, x: np.ndarray, op: ops.ReduceOp) -> _Plan:
-        """The single-host all-reduce of ``x``'s shape with ``op``, prepared on its first call."""
+    def plan(self, x: np.ndarray, op: ops.ReduceOp) -> _Plan:
+        """The single-host all-reduce of ``x``'s shape with ``op``, prepared on its first call
+        (``x`` checked: a supported dtype, contiguous)."""
         key = (x.dtype, x.size, op)
         plan = self._plans.get(key)
         if plan is None:

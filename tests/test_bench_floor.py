@@ -120,3 +120,25 @@ def test_run_threads_waits_for_all_and_reraises_the_first_error():
         run_threads([boom, lambda: done.append(1), lambda: done.append(2)])
     assert sorted(done) == [1, 2]
     run_threads([])  # nothing to run: no error
+
+
+def test_memory_floor_times_redsock_in_the_same_processes(tmp_path):
+    """--mode memory: per size, the copy-and-barrier floor and redsock's all-reduce (checked:
+    0 wrong), each a positive time per call, their ratio, redsock's path and the machine's shares."""
+    out = tmp_path / "memory.json"
+    r = floor("--mode", "memory", "--nprocs", "3", "--sizes", "8,64K,1M", "--warmup", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "memory floor: 3 ranks" in r.stdout
+    rows = json.loads(out.read_text())
+    assert [row["size"] for row in rows] == [8, 64 << 10, 1 << 20]
+    for row in rows:
+        assert row["wrong"] == 0 and row["mode"] == "memory" and row["nprocs"] == 3
+        assert row["floor_s"] > 0 and row["redsock_s"] > 0
+        assert row["x_floor"] == pytest.approx(row["redsock_s"] / row["floor_s"])
+        assert row["calls"] >= 5 and 0 <= row["machine_steal"] <= row["machine_busy"] <= 1
+    assert rows[0]["path"] == "whole" and rows[-1]["path"] in ("cma", "arena")
+
+
+def test_memory_floor_is_one_host_only():
+    r = floor("--mode", "memory", "--testbed", timeout=60)
+    assert r.returncode != 0 and "one host" in r.stderr

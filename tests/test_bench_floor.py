@@ -142,3 +142,20 @@ def test_memory_floor_times_redsock_in_the_same_processes(tmp_path):
 def test_memory_floor_is_one_host_only():
     r = floor("--mode", "memory", "--testbed", timeout=60)
     assert r.returncode != 0 and "one host" in r.stderr
+
+
+
+def test_memory_floor_barrier_gives_up_on_a_peer_that_never_comes(monkeypatch):
+    """The floor's barrier spins without system calls; a peer that never arrives (it died, and
+    the parent that would stop this rank is gone too) ends in PeerFailure, not a spin forever."""
+    import time
+
+    from redsock.bench.floor import memory
+    from redsock.errors import PeerFailure
+
+    monkeypatch.setattr(memory, "BARRIER_TIMEOUT_S", 0.5)
+    steps = memoryview(bytearray(2 * 64)).cast("Q")
+    t0 = time.monotonic()
+    with pytest.raises(PeerFailure, match="did not reach the barrier"):
+        memory._barrier(steps, 0, steps[0:16:8], 1)  # rank 1's counter stays at 0
+    assert 0.5 <= time.monotonic() - t0 < 5

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import PeerFailure
 from ...results import human_size
 from ..allreduce.rank import B2B_ROUNDS
 from ..procs import box_cpu, cpu_shares
@@ -32,14 +33,29 @@ _LINE_WORDS = 8
 
 
 def calls_per_round(nbytes: int) -> int:
-    """K back-to-back calls per round: about 256 MiB of copies per rank in all, 5 to 2000 calls."""
+    """K back-to-back calls per round: about 64 MiB of copies per rank and round, 5 to 2000 calls."""
     return max(5, min(2000, (256 << 20) // (4 * max(nbytes, 1))))
+
+
+#: Yields between two looks at the clock while a rank waits at the barrier (a few ms of them).
+_CHECK_EVERY = (1 << 14) - 1
+#: How long a rank waits at the barrier before it gives up (the parent stops every rank when one fails).
+BARRIER_TIMEOUT_S = 60.0
 
 
 def _barrier(steps: memoryview, mine: int, everyone: memoryview, step: int) -> None:
     steps[mine] = step
+    spins, since = 0, 0.0
     while min(everyone) < step:
         os.sched_yield()
+        spins += 1
+        if spins & _CHECK_EVERY == 0:  # a long wait: is a peer, or the parent, gone?
+            now = time.monotonic()
+            since = since or now
+            parent = mp.parent_process()
+            if (parent is not None and not parent.is_alive()) or now - since > BARRIER_TIMEOUT_S:
+                raise PeerFailure(f"memory floor: a rank did not reach the barrier within {BARRIER_TIMEOUT_S:g}s "
+                                  "(or the benchmark's parent process is gone)")
 
 
 def _rank(rank: int, nprocs: int, sizes: list[int], warmup: int, store_dir: str, counters: Any, out: Any) -> None:

@@ -645,6 +645,11 @@ def test_reduce_rows_has_the_bits_of_reduce_arrays(name: str, op: ReduceOp, nrow
     out = np.full(count, 3, d)
     assert ops.row_reducer(d, op, nrows)(tuple(rows), out) is out
     assert out.tobytes() == want
+    for own in range(nrows):  # the result over row own: the same bits, and no other row touched
+        given = [r.copy() for r in rows]
+        assert ops.row_reducer(d, op, nrows, own=own)(given, np.full(count, 7, d)) is given[own]
+        assert given[own].tobytes() == want, own
+        assert all(given[i].tobytes() == rows[i].tobytes() for i in range(nrows) if i != own), own
 
 
 def test_row_reducer_refuses_what_reduce_rows_refuses() -> None:
@@ -654,3 +659,6 @@ def test_row_reducer_refuses_what_reduce_rows_refuses() -> None:
         ops.row_reducer(np.dtype(np.float32), "xor", 2)
     with pytest.raises(ConfigError, match="positive"):
         ops.row_reducer(np.dtype(np.float32), "sum", 0)
+    for own in (-1, 2, True, 1.0):
+        with pytest.raises(ConfigError, match="own"):
+            ops.row_reducer(np.dtype(np.float32), "sum", 2, own=own)

@@ -410,34 +410,49 @@ def reduce_rows(rows: np.ndarray | Sequence[np.ndarray], op: ReduceOp | str, n: 
     return _combine_into(ufunc, rows, out)
 
 
-def row_reducer(dtype: np.dtype, op: ReduceOp, n: int) -> Callable[[Sequence[np.ndarray], np.ndarray], np.ndarray]:
+def row_reducer(dtype: np.dtype, op: ReduceOp, n: int,
+                own: int | None = None) -> Callable[[Sequence[np.ndarray], np.ndarray], np.ndarray]:
     """:func:`reduce_rows` for small rows of ``dtype`` (``n`` contributions in all), with its
     checks and lookups done once: ``reducer(rows, out)`` writes the result into ``out`` and
     returns it, the same bits as ``reduce_rows(rows, op, n, out)``.  A call that moves a few
     bytes repeats a few shapes, and its every line counts (each runs cache-cold after the
     process switch of an oversubscribed host).  Rows are combined in order, one ufunc call
-    per row; 16-bit floats through a float32 accumulator."""
-    return _row_reducer(check_dtype(dtype), ReduceOp.parse(op), int(n))
+    per row; 16-bit floats through a float32 accumulator.
+
+    With ``own`` (a row's index), ``reducer(rows, scratch)`` writes the result over
+    ``rows[own]`` instead, the same bits: the caller's own contribution becomes the result
+    where it lies, with no copy out.  The rows before it are combined in ``scratch`` (a
+    row's shape and dtype), as the ufuncs would otherwise overwrite ``rows[own]`` before
+    reading it."""
+    if own is not None and (isinstance(own, bool) or not isinstance(own, int) or not 0 <= own < n):
+        raise ConfigError(f"row_reducer: own must be a row index below {n}, got {own!r}")
+    return _row_reducer(check_dtype(dtype), ReduceOp.parse(op), int(n), own)
 
 
 @functools.lru_cache(maxsize=None)
-def _row_reducer(dtype: np.dtype, op: ReduceOp, n: int) -> Callable[[Sequence[np.ndarray], np.ndarray], np.ndarray]:
+def _row_reducer(dtype: np.dtype, op: ReduceOp, n: int,
+                 own: int | None) -> Callable[[Sequence[np.ndarray], np.ndarray], np.ndarray]:
     if n < 1:
         raise ConfigError(f"row_reducer: n must be a positive integer, got {n!r}")
     ufunc, wide = _UFUNC[op], _ACCUM[dtype]
-    if wide != dtype:  # widen, combine, round once
+    if own is None:
+        def combine(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+            return _combine_into(ufunc, rows, out)
+    else:
+        def combine(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+            return _combine_over(ufunc, rows, own, out)  # (out: the scratch row)
+    if wide != dtype:  # widen, combine, round once (the accumulator is a row of its own)
         def reduce(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
             acc = rows[0].astype(wide)
             for x in rows[1:]:
                 ufunc(acc, x, out=acc)
-            return finalize(acc, op, n, out)
-    elif op is ReduceOp.AVG:  # the sum in out, divided there
+            return finalize(acc, op, n, out if own is None else rows[own])
+    elif op is ReduceOp.AVG:  # the sum in place, divided there
         def reduce(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
-            _combine_into(ufunc, rows, out)
-            return finalize(out, op, n, out)
+            result = combine(rows, out)
+            return finalize(result, op, n, result)
     else:
-        def reduce(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
-            return _combine_into(ufunc, rows, out)
+        reduce = combine
     return reduce
 
 
@@ -448,6 +463,24 @@ def _combine_into(ufunc: np.ufunc, rows: Sequence[np.ndarray], out: np.ndarray) 
     ufunc(rows[0], rows[1], out=out)
     for x in rows[2:]:
         ufunc(out, x, out=out)
+    return out
+
+
+def _combine_over(ufunc: np.ufunc, rows: Sequence[np.ndarray], own: int, scratch: np.ndarray) -> np.ndarray:
+    """Rows combined in order into ``rows[own]``: the partial result goes to ``scratch`` until
+    the step that reads ``rows[own]``, which writes over it element by element (a ufunc may
+    write over an operand it reads at the same place)."""
+    out = rows[own]
+    if len(rows) == 1:
+        return out
+    acc = out if own <= 1 else scratch
+    ufunc(rows[0], rows[1], out=acc)
+    for i in range(2, len(rows)):
+        if i == own:
+            ufunc(scratch, out, out=out)
+            acc = out
+        else:
+            ufunc(acc, rows[i], out=acc)
     return out
 
 

@@ -255,8 +255,10 @@ class Hierarchy:
                 run = self._reduce_direct
                 a, b = partition(n, g.size)[g.me]
                 pieces = tuple((lo, hi, ()) for lo, hi in chunks(a, b, max(1, CMA_PIECE_BYTES // dt.itemsize)))
+            # (cross-memory attach: the result over this rank's own input, where it goes)
+            reduce = ops.row_reducer(dt, op, self.world, own=g.me if path == "cma" else None)
             plan = self._plans[key] = _Plan(run, signature_check("all_reduce", key + ("hier",)),
-                                            ops.row_reducer(dt, op, self.world), rows, pieces)
+                                            reduce, rows, pieces)
         return plan
 
     def _reduce_whole_here(self, plan: _Plan, x: np.ndarray, signature: int, timeout_s: float) -> None:
@@ -307,11 +309,9 @@ class Hierarchy:
             inputs = [x[lo:hi] if lr == me else rows[lr, :hi - lo] for lr in range(g.size)]
             for lr in peers:
                 g.read_from(lr, lo * dt.itemsize, inputs[lr])
-            # (into a row of its own: reduced into x, the ufuncs would overwrite this rank's input first)
-            out = plan.reduce(inputs, rows[me, :hi - lo])
+            out = plan.reduce(inputs, rows[me, :hi - lo])  # (over this rank's own input: x[lo:hi])
             for lr in peers:
                 g.write_to(lr, lo * dt.itemsize, out)
-            ops.copy(x[lo:hi], out)
         g.sync(None, CMA_SPIN_US, timeout_s)
 
     def _all_reduce_whole(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp,

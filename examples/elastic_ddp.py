@@ -9,7 +9,8 @@ Rank 0 writes a checkpoint (model, optimizer, next step) after every step, atomi
 When a worker dies, torchrun stops the others and starts the group again
 (``TORCHELASTIC_RESTART_COUNT`` counts the generations); the backend's communicator is made
 afresh through the new generation's store keys.  ``--kill-rank R --kill-at-step S`` makes rank
-R kill itself (SIGKILL, no clean-up) at step S of the first generation: a fault to recover from.
+R kill itself (SIGKILL, no clean-up) at step S of the first generation, once every rank has
+finished step S-1 (a barrier): a fault to recover from, after which training resumes from step S.
 
 Each step's global batch is drawn from a generator seeded by the step number, and rank r
 trains on rows r*B..(r+1)*B of it: a resumed run sees the same data as an uninterrupted one.
@@ -87,9 +88,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"generation {generation}: backend {args.backend}, world {world}, from step {start}", flush=True)
 
     for step in range(start, args.steps):
-        if generation == 0 and rank == args.kill_rank and step == args.kill_at_step:
-            print(f"KILL rank {rank} step {step} t={time.time():.3f}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+        if generation == 0 and step == args.kill_at_step:
+            # The fault comes once every rank has finished step S-1, so rank 0 has saved the
+            # checkpoint of step S (torchrun stops the others within its monitor interval of
+            # the kill, which a slow save could outlast): the next generation starts from S.
+            dist.barrier()
+            if rank == args.kill_rank:
+                print(f"KILL rank {rank} step {step} t={time.time():.3f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
         x, y = global_batch(step, world * args.batch_size)
         mine = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
         loss = F.mse_loss(ddp(x[mine]), y[mine])

@@ -2,7 +2,8 @@
 
 ``examples/elastic_ddp.py`` runs under ``torchrun --standalone --nnodes 1 --nproc-per-node 3
 --max-restarts 2``; rank 1 kills itself (SIGKILL) at step 15 of the first generation, torchrun
-stops the others and starts a second generation, which resumes from the checkpoint and
+stops the others and starts a second generation, which resumes from the checkpoint of step 15
+(rank 0's save of it is slowed down by a second, as on a loaded machine: :data:`SLOW_SAVE`) and
 finishes.  The final parameters must equal those of the same training in one process (the
 mean loss over the whole global batch is what DDP's averaged gradients descend), and the
 reducers must serve the second generation's job and free the first one's.  The recovery
@@ -48,9 +49,30 @@ def reference_params() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+#: Loaded into the workers (``sitecustomize``): rank 0 of the first generation takes a second
+#: to save the checkpoint of step KILL_AT, as on a loaded machine.  torchrun stops the other
+#: workers within its monitor interval of the kill, so the fault must come once that
+#: checkpoint is on disk, however slow rank 0 is, for the next generation to start from it.
+SLOW_SAVE = f"""
+import os
+if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "0":
+    import time, torch
+    _save = torch.save
+    def _slow_save(obj, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("step") == {KILL_AT}:
+            time.sleep(1.0)
+        return _save(obj, *args, **kwargs)
+    torch.save = _slow_save
+"""
+
+
 def run_elastic(tmp_path: Path, env: dict[str, str] | None = None) -> tuple[str, float]:
     """torchrun with one worker killed mid-training; returns (its output, recovery seconds)."""
     final = tmp_path / "final.pt"
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(SLOW_SAVE)
+    path = os.pathsep.join(p for p in (str(inject), os.environ.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", str(WORLD), "--max-restarts", "2", "--monitor-interval", "0.1",
            "--log-dir", str(tmp_path / "torchrun"),  # (else torchrun leaves a directory in /tmp per run)
@@ -58,7 +80,7 @@ def run_elastic(tmp_path: Path, env: dict[str, str] | None = None) -> tuple[str,
            "--batch-size", str(BATCH), "--kill-rank", "1", "--kill-at-step", str(KILL_AT),
            "--save-params", str(final)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-8000:]
     assert f"generation 0: backend redsock, world {WORLD}, from step 0" in out, out[-4000:]

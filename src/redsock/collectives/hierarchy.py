@@ -99,7 +99,7 @@ class _Plan(NamedTuple):
     signature, timeout_s)`` is the path :meth:`Hierarchy.local_path` names for its size."""
     run: Callable[["_Plan", np.ndarray, int, float], None]
     check: int  # the call's signature check
-    reduce: Callable[[Sequence[np.ndarray], np.ndarray], np.ndarray]  # ops.row_reducer
+    reduce: Callable[[Sequence[np.ndarray], np.ndarray], np.ndarray]  # ops.row_reducer (cma: own=this rank)
     rows: tuple[tuple[np.ndarray, ...], ...]  # whole: each half's rows, one per local rank
     pieces: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]  # arena: (lo, hi, every rank's shard)
     # of each piece; cross-memory attach: (lo, hi, ()) of this rank's shard's pieces
@@ -309,7 +309,8 @@ class Hierarchy:
             inputs = [x[lo:hi] if lr == me else rows[lr, :hi - lo] for lr in range(g.size)]
             for lr in peers:
                 g.read_from(lr, lo * dt.itemsize, inputs[lr])
-            out = plan.reduce(inputs, rows[me, :hi - lo])  # (over this rank's own input: x[lo:hi])
+            # (the result lands over this rank's own input, x[lo:hi]; its own row holds the partial sum before it)
+            out = plan.reduce(inputs, rows[me, :hi - lo])
             for lr in peers:
                 g.write_to(lr, lo * dt.itemsize, out)
         g.sync(None, CMA_SPIN_US, timeout_s)

@@ -435,12 +435,6 @@ def _row_reducer(dtype: np.dtype, op: ReduceOp, n: int,
     if n < 1:
         raise ConfigError(f"row_reducer: n must be a positive integer, got {n!r}")
     ufunc, wide = _UFUNC[op], _ACCUM[dtype]
-    if own is None:
-        def combine(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
-            return _combine_into(ufunc, rows, out)
-    else:
-        def combine(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
-            return _combine_over(ufunc, rows, own, out)  # (out: the scratch row)
     if wide != dtype:  # widen, combine, round once (the accumulator is a row of its own)
         def reduce(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
             acc = rows[0].astype(wide)
@@ -449,39 +443,32 @@ def _row_reducer(dtype: np.dtype, op: ReduceOp, n: int,
             return finalize(acc, op, n, out if own is None else rows[own])
     elif op is ReduceOp.AVG:  # the sum in place, divided there
         def reduce(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
-            result = combine(rows, out)
+            result = _combine_into(ufunc, rows, out, own)
             return finalize(result, op, n, result)
     else:
-        reduce = combine
+        def reduce(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+            return _combine_into(ufunc, rows, out, own)
     return reduce
 
 
-def _combine_into(ufunc: np.ufunc, rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+def _combine_into(ufunc: np.ufunc, rows: Sequence[np.ndarray], out: np.ndarray, own: int | None = None) -> np.ndarray:
+    """Rows combined in order into ``out``; with ``own``, over ``rows[own]`` instead, ``out``
+    holding the partial result until the step that reads ``rows[own]``, which writes over it
+    element by element (a ufunc may write over an operand it reads at the same place)."""
+    dest = out if own is None else rows[own]
     if len(rows) == 1:
-        copy(out, rows[0])
-        return out
-    ufunc(rows[0], rows[1], out=out)
-    for x in rows[2:]:
-        ufunc(out, x, out=out)
-    return out
-
-
-def _combine_over(ufunc: np.ufunc, rows: Sequence[np.ndarray], own: int, scratch: np.ndarray) -> np.ndarray:
-    """Rows combined in order into ``rows[own]``: the partial result goes to ``scratch`` until
-    the step that reads ``rows[own]``, which writes over it element by element (a ufunc may
-    write over an operand it reads at the same place)."""
-    out = rows[own]
-    if len(rows) == 1:
-        return out
-    acc = out if own <= 1 else scratch
+        if own is None:
+            copy(out, rows[0])
+        return dest
+    acc = dest if own is None or own <= 1 else out
     ufunc(rows[0], rows[1], out=acc)
     for i in range(2, len(rows)):
         if i == own:
-            ufunc(scratch, out, out=out)
-            acc = out
+            ufunc(acc, dest, out=dest)
+            acc = dest
         else:
             ufunc(acc, rows[i], out=acc)
-    return out
+    return dest
 
 
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:

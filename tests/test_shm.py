@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from redsock.bootstrap import FileStore, Topology, host_identity
@@ -201,6 +202,50 @@ def test_a_stopped_local_rank_is_named_at_the_timeout(tmp_path):
             a.close()
             made[1].close()
     finally:
+        peer.kill()
+        peer.wait()
+
+
+_GIVES_UP = """
+import sys
+import numpy as np
+from redsock.bootstrap import FileStore
+from redsock.transport.shm import LocalGroup
+g = LocalGroup(FileStore(sys.argv[1], timeout_s=30), "shm/0", (10, 11), 1, (int(sys.argv[2]), __import__("os").getpid()),
+               region_bytes=4096, timeout_s=30, spin_us=0)
+buf = np.ones(1024, np.uint8)
+g.publish(buf)
+g.sync()
+sys.stdin.readline()  # rank 10 is past the sync: now rank 11 learns of rank 7's failure, says so, exits
+g.abort("[failed ranks: 7] rank 11 gives up: rank 7 died")
+g.close()
+"""
+
+
+def test_a_host_mate_that_gave_up_and_exited_is_not_blamed(tmp_path):
+    """Rank 11 found rank 7 dead, left that word in the arena and exited (its process is gone)
+    while rank 10 still copies its memory: rank 10 passes on rank 11's word (rank 7), not
+    "rank 11 died" (the CI's 8 MiB kill test: a host-mate that had diagnosed the dead rank
+    was named instead of it).  The word is written before the exit, so it is read first."""
+    peer = subprocess.Popen([sys.executable, "-c", _GIVES_UP, str(tmp_path), str(os.getpid())],
+                            stdin=subprocess.PIPE, text=True)
+    a = None
+    try:
+        a = LocalGroup(FileStore(tmp_path, timeout_s=30), "shm/0", (10, 11), 0, (os.getpid(), peer.pid),
+                       region_bytes=4096, timeout_s=30, spin_us=0)
+        assert a.cma  # (this machine allows cross-memory attach: the CI runs as root)
+        mine = np.zeros(1024, np.uint8)
+        a.publish(mine)
+        a.sync()
+        peer.communicate("go\n", timeout=30)
+        assert peer.returncode == 0
+        for attempt in (lambda: a.read_from(1, 0, mine), lambda: a.write_to(1, 0, mine), a.sync):
+            with pytest.raises(TransportError, match=r"\[failed ranks: 7\] rank 11 gives up") as e:
+                attempt()
+            assert not isinstance(e.value, PeerFailure), e.value
+    finally:
+        if a is not None:
+            a.close()
         peer.kill()
         peer.wait()
 

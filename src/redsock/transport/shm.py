@@ -226,8 +226,11 @@ class LocalGroup:
 
     def _raise_if_a_peer_died(self, wait_s: float, when: str) -> None:
         """Raise :class:`PeerFailure` naming a local peer whose process has exited (its pidfd
-        is readable), waiting up to ``wait_s`` for one."""
+        is readable), waiting up to ``wait_s`` for one.  A peer that gave up (another rank
+        failed) wrote its word before it exited: that word, naming the failed rank, is raised
+        instead, so a host-mate that only passed the failure on is never the one blamed."""
         for fd, _ in self._poll.poll(int(wait_s * 1000)):
+            self._check_failure()
             dead = self.ranks[self._pidfds[fd]]
             raise PeerFailure(f"rank {self.ranks[self.me]}: rank {dead} died (its process exited) {when}",
                               ranks=(dead,))
@@ -397,7 +400,8 @@ class LocalGroup:
             _futex_wake(addr)
 
     def _check_failure(self) -> None:
-        if self._words[_FAIL_WORD]:
+        """Raise the word a local rank that gave up left in the arena (none before it is mapped)."""
+        if hasattr(self, "_words") and self._words[_FAIL_WORD]:
             n = self._words[_NOTE_LEN_WORD]
             note = bytes(self._mm[_NOTE_OFFSET:_NOTE_OFFSET + n]).decode(errors="replace")
             raise TransportError(note, peer="local ranks", op="shared-memory wait")

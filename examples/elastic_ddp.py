@@ -21,6 +21,7 @@ with ``--save-params``, writes the final parameters.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import time
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.save_params:
             torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.save_params)
     dist.barrier()  # leave together (a rank that exits while a peer reads can reset its connection)
+    del ddp, model, opt  # DDP holds the process group: destroyed with it, while Python runs (see train_lm.py)
+    gc.collect()
     dist.destroy_process_group()
 
 

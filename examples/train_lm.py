@@ -15,6 +15,7 @@ any download.  Prints loss and steps/s (after ``--warmup`` steps) on rank 0.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import time
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     model = TransformerLM(args.vocab, args.d_model, args.layers, args.heads, args.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
     ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb or None)
-    hook_state = None
+    hook_state = powersgd_state = None
     if args.hook == "redsock":
         from redsock.torch import HookState, allreduce_hook
 
@@ -124,8 +125,8 @@ def main(argv: list[str] | None = None) -> None:
         # where a nested collective can still make progress.
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-        state = powersgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
-        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        powersgd_state = powersgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+        ddp.register_comm_hook(powersgd_state, powersgd.powerSGD_hook)
     elif args.hook == "compress":
         from redsock.torch import HookState, compress_hook
 
@@ -176,6 +177,12 @@ def main(argv: list[str] | None = None) -> None:
     dist.barrier()
     if hook_state is not None:
         hook_state.close()
+    # DDP holds the process group: let go of it (its reference cycles too) before
+    # destroy_process_group drops the last reference, so the backend's threads stop while
+    # Python still runs.  Left to the interpreter's exit, a gloo thread letting go of a Python
+    # object aborts the process ("terminate called without an active exception").
+    del ddp, model, opt, hook_state, powersgd_state
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -474,6 +474,48 @@ def wire_mismatch(comm, rank, world):
     raise AssertionError(f"a wire mismatch went unnoticed: {x[:4]}")
 
 
+def either_way(comm, rank, world):
+    """Shapes that may go through the arena or by cross-memory attach, interleaved as DDP's
+    buckets are, with local rank 0 trying the other way every 3 calls (so the ways change
+    all the time, by probe and by timing): every call right against numpy on every rank
+    (the digests compare the ranks' bits), and both ways taken by every shape."""
+    from redsock.collectives import hierarchy
+
+    hierarchy.PROBE_EVERY = 3
+    shapes = [(300_001, "float32", "sum"), (1_100_000, "float32", "avg"), (70_000, "int32", "max"),
+              (2_200_001, "bfloat16", "sum"), (300_001, "int64", "prod")]
+    for call in range(60):
+        for n, dname, opname in shapes[call % 2:] if call % 3 else shapes:  # (not always the same order)
+            dt, op = ops.dtype_from_name(dname), ops.ReduceOp.parse(opname)
+            x = make_input(n, dt, op, rank, call)
+            comm.all_reduce(x, opname)
+            wrong = count_wrong(x, reference(n, dt, op, world, call))
+            assert wrong == 0, f"call {call} {dname} {opname} n={n}: {wrong} wrong"
+            digest(x)
+    for n, dname, opname in shapes:
+        dt = ops.dtype_from_name(dname)
+        taken = comm.hier.path_taken(dt, n, ops.ReduceOp.parse(opname))
+        assert "arena" in taken and "cma" in taken, f"{dname} n={n}: {taken}"
+        print(f"taken {dname} {n}: {taken}", flush=True)
+
+
+def ways_differ(comm, rank, world):
+    """Rank 1 takes the other way than the rest for one call (as a bug in how the ways are
+    agreed would): every rank raises at the call's first sync, none mixes the ways' data."""
+    x = np.ones(1 << 20, np.float32)
+    comm.all_reduce(x)  # (prepares the shape)
+    if rank == 1:
+        plan = comm.hier.plan_of(x, ops.ReduceOp.SUM)
+        plan.ways.way ^= 1
+        plan.ways.ident = -1  # (the word local rank 0 said for this shape would set it back)
+    try:
+        comm.all_reduce(x)
+    except RedsockError as e:
+        print(f"raised {type(e).__name__}: {e}", flush=True)
+        return
+    raise AssertionError(f"ranks took different ways unnoticed: {x[:4]}")
+
+
 def _refuse_cross_memory_attach() -> None:
     """This rank's kernel refuses process_vm_readv, as ptrace scope or a container may."""
     import ctypes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -195,13 +196,17 @@ def test_ddp_runs_redsock_buckets_through_the_compress_hook_on_the_wire():
     assert "--hook" not in ddp_testbed._train_argv(p.parse_args(["--testbed"]), "redsock")
 
 
+#: How a bench row names the in-host path of sizes that go either way (Hierarchy.path_taken).
+WAYS = r"(cma|arena)|(cma|arena):\d+%\+(cma|arena):\d+%"
+
+
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun: `make setup` installs Open MPI where it runs "
                     "as root with apt; elsewhere apt-get install openmpi-bin")
 def test_peer_mpi_puts_open_mpis_time_beside_redsocks(tmp_path):
     """4 local ranks, then Open MPI's shared-memory all-reduce on the same sizes: one line per
     size with both times (redsock's as its JSON row says), their ratio, the in-host path
-    (the whole buffer up to 128 KiB for 4 ranks, then sharded through the arena, and from 1 MiB one
-    copy each way by cross-memory attach) and
+    (the whole buffer up to 128 KiB for 4 ranks, then sharded through the arena or one copy each
+    way by cross-memory attach, whichever has been faster lately) and
     the machine's busy share while each was timed."""
     out = tmp_path / "rows.jsonl"
     r = subprocess.run([sys.executable, "-m", "redsock", "bench", "allreduce", "--nprocs", "4", "-b", "64K", "-e", "1M",
@@ -216,6 +221,8 @@ def test_peer_mpi_puts_open_mpis_time_beside_redsocks(tmp_path):
     for size, ours, mpi, ratio, path, *busy in lines:
         assert float(ours) == pytest.approx(rows[int(size)]["median_s"] * 1e6, abs=0.06)
         assert float(ratio[:-1]) == pytest.approx(float(ours) / float(mpi), rel=0.01, abs=0.006)
-        expected = {65536: "whole", 262144: "arena", 1048576: "cma"}[int(size)]
-        assert path == rows[int(size)]["extra"]["path"] == expected
+        # (from 256 KiB the calls go through the arena or by cross-memory attach, whichever has
+        # been faster lately: one name, or both with their shares)
+        assert path == rows[int(size)]["extra"]["path"]
+        assert path == "whole" if int(size) == 65536 else re.fullmatch(WAYS, path), path
         assert all(0 <= float(b.strip("%,")) <= 100 for b in busy)

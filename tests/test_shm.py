@@ -71,6 +71,29 @@ def test_large_all_reduces_go_through_the_arena_without_cross_memory_attach(env)
     assert _arenas() <= before
 
 
+def test_either_way_all_ranks_take_the_same_way_every_call():
+    """Local rank 0 moves each shape between the arena and cross-memory attach (here every
+    few calls) and the others follow its word: every call right, the same bits on every rank,
+    both ways taken; ranks that took different ways would raise, never mix data."""
+    before = _arenas()
+    outs = run_world("either_way", 4, timeout=120)
+    _check_world_digests(outs, 4)
+    assert _arenas() <= before
+    outs = run_world("ways_differ", 3, timeout=60)
+    for code, out, err in outs:
+        assert code == 0 and out.rstrip().endswith("ok"), err[-2000:]
+        assert "different dtype, size or op" in out, out
+
+
+def _check_world_digests(outs, world):
+    for r, (code, out, err) in enumerate(outs):
+        assert code == 0 and out.rstrip().endswith("ok"), f"rank {r}:\n{err[-3000:]}"
+    first = digests(outs[0][1])
+    assert len(first) >= 200
+    for r, (_, out, _) in enumerate(outs[1:], 1):
+        assert digests(out) == first, f"rank {r} differs from rank 0"
+
+
 def test_shm_off_passes_everything_over_fast_socket():
     outs = run_world("auto_matrix", 3, env={"REDSOCK_SHM": "off", "TEST_EXPECT_HIER": "0"})
     _check_world(outs, 3)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -37,7 +38,7 @@ from .. import ops
 from ..bootstrap import PeerTable
 from ..config import Config, KiB, MiB
 from ..errors import PeerFailure, Timeout
-from ..transport.shm import LocalGroup
+from ..transport.shm import TOLD_SLOTS, LocalGroup
 from .context import CallContext, chunks, flat, partition, ramped_chunks, signature_check
 
 #: Bytes of each half of a rank's region: the largest piece a collective moves at once, the
@@ -88,6 +89,20 @@ CMA_PIECE_BYTES = 128 * KiB
 SPIN_MAX_US = 50
 SPIN_SMALL_US = 2000
 CMA_SPIN_US = SPIN_SMALL_US
+#: Where both ways are open (one host, cross-memory attach allowed, above the whole-buffer
+#: size) the faster one is not a matter of size alone: it changes with the machine's state,
+#: from one minute to the next, and the arena's copies gain from a fast state where the
+#: kernel's page pinning does not.  4 ranks on 2 cores, 2026-12-06, alternating runs of 100
+#: back-to-back calls, arena / cross-memory attach: 1 MiB 259-283 / 518-636 us in one state,
+#: 896-1021 / 514-554 in the other; 2 MiB 535-594 / 967-1017 against 1852-1977 / 968-1246.
+#: So local rank 0 times each shape's calls both ways and the calls take the faster
+#: (:meth:`Hierarchy._choose_way`): after PROBE_EVERY calls on one way it tries the other, and
+#: moves whenever one way's best of its last two calls is SWITCH_MARGIN of the other's.
+PROBE_EVERY = 100
+SWITCH_MARGIN = 0.9
+#: Flips a bit of a call's signature check on the cross-memory-attach way: local ranks that
+#: took different ways for one call (a bug) fail at its first sync instead of mixing data.
+_WAY_MARK = 0x8000
 
 
 #: How many call shapes a single-host group keeps prepared (a training loop's few).
@@ -96,13 +111,40 @@ _PLANS_KEPT = 64
 
 class _Plan(NamedTuple):
     """A single-host all-reduce of one (dtype, count, op), prepared once: ``run(plan, x,
-    signature, timeout_s)`` is the path :meth:`Hierarchy.local_path` names for its size."""
+    signature, timeout_s)`` is the path :meth:`Hierarchy.local_path` names for its size
+    (where the arena and cross-memory attach are both open, the one :class:`_Ways` says)."""
     run: Callable[["_Plan", np.ndarray, int, float], None]
     check: int  # the call's signature check
     reduce: Callable[[Sequence[np.ndarray], np.ndarray], np.ndarray]  # ops.row_reducer (cma: own=this rank)
     rows: tuple[tuple[np.ndarray, ...], ...]  # whole: each half's rows, one per local rank
     pieces: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]  # arena: (lo, hi, every rank's shard)
     # of each piece; cross-memory attach: (lo, hi, ()) of this rank's shard's pieces
+    ways: _Ways | None = None  # where both ways are open: both, and which one the calls take
+
+
+class _Ways:
+    """Both ways of a single-host all-reduce of one shape (``plans``: the arena's, cross-memory
+    attach's) and the one its calls take.  Every local rank takes the way local rank 0 last
+    told for this shape (:meth:`LocalGroup.tell`, slot ``ident % TOLD_SLOTS``, word ``ident <<
+    1 | way``), read as a call starts; rank 0 writes it between the call's first and last sync,
+    when every rank has read it for this call and before any can read it for the next.  Only
+    rank 0 times.  Two shapes whose numbers share a slot may overwrite each other's word: the
+    number in it tells, and the overwritten shape keeps its way (everywhere alike)."""
+    __slots__ = ("ident", "plans", "way", "taken", "since", "times")
+
+    def __init__(self, ident: int, way: int):
+        self.ident = ident  # this shape's number, the same on every local rank (shapes are prepared in call order)
+        self.plans: tuple[_Plan, ...] = ()
+        self.way = way  # 0: the arena, 1: cross-memory attach
+        self.taken = [0, 0]  # this shape's calls each way
+        self.since = 0  # calls since the way last changed
+        self.times: tuple[list[float], list[float]] = ([], [])  # local rank 0: its last two calls' times each way
+
+    def describe(self) -> str:
+        """The ways the calls took, e.g. "cma" or "cma:97%+arena:3%"."""
+        total = sum(self.taken)
+        shares = sorted(((n / total, name) for n, name in zip(self.taken, ("arena", "cma")) if n), reverse=True)
+        return shares[0][1] if len(shares) < 2 else "+".join(f"{name}:{share:.0%}" for share, name in shares)
 
 
 class Hierarchy:
@@ -134,6 +176,7 @@ class Hierarchy:
                                                                             WHOLE_ROWS_BYTES // self.local.size)
         self._plans: dict[tuple[np.dtype, int, ops.ReduceOp], _Plan] = {}  # single-host all-reduces, by shape
         self._cma_rows: np.ndarray | None = None  # the peers' pieces and the result (calls go one at a time)
+        self._shapes = itertools.count(1)  # numbers the shapes that may go either way (_Ways.ident)
         self._tickets = itertools.count()
         self._next = 0
         self._turn = threading.Condition()
@@ -204,7 +247,20 @@ class Hierarchy:
         ranks' buffers) or "arena" (sharded, through the arena)."""
         if nbytes <= self.whole_max_bytes:
             return "whole"
-        return "cma" if self.nhosts == 1 and self.local.cma and nbytes >= CMA_MIN_BYTES else "arena"
+        return "cma" if self._either_way(nbytes) and nbytes >= CMA_MIN_BYTES else "arena"
+
+    def _either_way(self, nbytes: int) -> bool:
+        """Whether an all-reduce of ``nbytes`` may go through the arena or by cross-memory
+        attach, whichever has been faster lately (:data:`PROBE_EVERY`); it starts with :meth:`local_path`'s."""
+        return self.nhosts == 1 and self.local.cma and nbytes > self.whole_max_bytes
+
+    def path_taken(self, dtype: np.dtype, count: int, op: ops.ReduceOp) -> str:
+        """How the single-host all-reduces of this shape went so far (:meth:`local_path`'s
+        names; the shares of each where they went either way)."""
+        plan = self._plans.get((np.dtype(dtype), count, op))
+        if plan is None or plan.ways is None or not any(plan.ways.taken):
+            return self.local_path(count * np.dtype(dtype).itemsize)
+        return plan.ways.describe()
 
     def runs_here(self, nbytes: int) -> bool:
         """Whether a synchronous all-reduce of ``nbytes`` can be :meth:`all_reduce_here`
@@ -240,26 +296,69 @@ class Hierarchy:
         if plan is None:
             if len(self._plans) >= _PLANS_KEPT:
                 self._plans.clear()
-            g, dt, n = self.local, x.dtype, x.size
-            path = self.local_path(x.nbytes)
-            rows: tuple = ()
-            pieces: tuple = ()
-            run: Callable[[_Plan, np.ndarray, int, float], None]
-            if path == "whole":
-                run, rows = self._reduce_whole_here, tuple(tuple(g.rows(half, dt, n)) for half in (0, 1))
-            elif path == "arena":
-                run = self._reduce_sharded
-                pieces = tuple((lo, hi, tuple(partition(hi - lo, g.size)))
-                               for lo, hi in chunks(0, n, LOCAL_PIECE_BYTES // dt.itemsize))
+            path, check = self.local_path(x.nbytes), signature_check("all_reduce", key + ("hier",))
+            if self._either_way(x.nbytes):
+                ways = _Ways(next(self._shapes), way=int(path == "cma"))
+                ways.plans = tuple(self._make_plan(way, x.dtype, x.size, op, check, ways) for way in ("arena", "cma"))
+                plan = _Plan(self._reduce_either, check, ways.plans[0].reduce, (), (), ways)
             else:
-                run = self._reduce_direct
-                a, b = partition(n, g.size)[g.me]
-                pieces = tuple((lo, hi, ()) for lo, hi in chunks(a, b, max(1, CMA_PIECE_BYTES // dt.itemsize)))
-            # (cross-memory attach: the result over this rank's own input, where it goes)
-            reduce = ops.row_reducer(dt, op, self.world, own=g.me if path == "cma" else None)
-            plan = self._plans[key] = _Plan(run, signature_check("all_reduce", key + ("hier",)),
-                                            reduce, rows, pieces)
+                plan = self._make_plan(path, x.dtype, x.size, op, check)
+            self._plans[key] = plan
         return plan
+
+    def _make_plan(self, path: str, dt: np.dtype, n: int, op: ops.ReduceOp, check: int,
+                   ways: _Ways | None = None) -> _Plan:
+        g = self.local
+        rows: tuple = ()
+        pieces: tuple = ()
+        run: Callable[[_Plan, np.ndarray, int, float], None]
+        if path == "whole":
+            run, rows = self._reduce_whole_here, tuple(tuple(g.rows(half, dt, n)) for half in (0, 1))
+        elif path == "arena":
+            run = self._reduce_sharded
+            pieces = tuple((lo, hi, tuple(partition(hi - lo, g.size)))
+                           for lo, hi in chunks(0, n, LOCAL_PIECE_BYTES // dt.itemsize))
+        else:
+            run = self._reduce_direct
+            a, b = partition(n, g.size)[g.me]
+            pieces = tuple((lo, hi, ()) for lo, hi in chunks(a, b, max(1, CMA_PIECE_BYTES // dt.itemsize)))
+        # (cross-memory attach: the result over this rank's own input, where it goes)
+        reduce = ops.row_reducer(dt, op, self.world, own=g.me if path == "cma" else None)
+        return _Plan(run, check, reduce, rows, pieces, ways)
+
+    def _reduce_either(self, plan: _Plan, x: np.ndarray, signature: int, timeout_s: float) -> None:
+        """One host, where the arena and cross-memory attach are both open: the way local
+        rank 0 last said for this shape (:class:`_Ways`); rank 0 times the call."""
+        w, g = plan.ways, self.local
+        assert w is not None
+        said = g.told(w.ident % TOLD_SLOTS)
+        if said >> 1 == w.ident and said & 1 != w.way:
+            w.way, w.since = said & 1, 0
+        way = w.way
+        w.taken[way] += 1
+        sub = w.plans[way]
+        if g.me:
+            sub.run(sub, x, signature ^ (_WAY_MARK * way), timeout_s)
+            return
+        t0 = time.perf_counter()
+        sub.run(sub, x, signature ^ (_WAY_MARK * way), timeout_s)
+        times = w.times[way]
+        times.append(time.perf_counter() - t0)
+        if len(times) > 2:
+            del times[0]
+
+    def _choose_way(self, w: _Ways) -> None:
+        """Local rank 0, between a call's first and last sync: the way of this shape's next
+        call (written only to change it: a word that another shape overwrote is written again
+        at this shape's next call)."""
+        cur, other = w.way, 1 - w.way
+        w.since += 1
+        mine, theirs = w.times[cur], w.times[other]
+        if len(mine) == 2 and len(theirs) == 2 and min(theirs) < SWITCH_MARGIN * min(mine):
+            self.local.tell(w.ident % TOLD_SLOTS, w.ident << 1 | other)
+        elif w.since >= PROBE_EVERY:  # try the other way again: its old times are stale
+            theirs.clear()
+            self.local.tell(w.ident % TOLD_SLOTS, w.ident << 1 | other)
 
     def _reduce_whole_here(self, plan: _Plan, x: np.ndarray, signature: int, timeout_s: float) -> None:
         """One host, a small buffer: every rank copies it in, and reduces all of them alike."""
@@ -283,6 +382,8 @@ class Hierarchy:
             ops.copy(rows[me][:a], x[lo:lo + a])
             ops.copy(rows[me][b:], x[lo + b:hi])
             g.sync(sig, timeout_s=timeout_s)
+            if sig is not None and plan.ways is not None and me == 0:
+                self._choose_way(plan.ways)
             sig = None
             inputs = [v[a:b] for v in rows]
             inputs[me] = x[lo + a:lo + b]
@@ -305,6 +406,8 @@ class Hierarchy:
         peers = [lr for lr in range(g.size) if lr != me]
         g.publish(x)
         g.sync(signature, CMA_SPIN_US, timeout_s)
+        if plan.ways is not None and me == 0:
+            self._choose_way(plan.ways)
         for lo, hi, _ in plan.pieces:
             inputs = [x[lo:hi] if lr == me else rows[lr, :hi - lo] for lr in range(g.size)]
             for lr in peers:

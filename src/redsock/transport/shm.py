@@ -49,11 +49,14 @@ ARENA_DIR = "/dev/shm"
 ARENA_PREFIX = "redsock-"
 # One 64-byte cache line per local rank: [step, signature at odd steps, at even steps,
 # 1 + the local rank whose counter this rank sleeps on (0: awake), the address of its buffer
-# in the current call (cross-memory attach), its probe token, its probe's outcome, unused]
+# in the current call (cross-memory attach), its probe token, its probe's outcome, and one
+# word of a table any rank may write for the others (:meth:`LocalGroup.tell`)]
 # (a rank may run one step ahead of a slower peer, which must still read its signature).
 _LINE_WORDS = 8
-_SLEEP, _ADDR, _TOKEN, _CMA_OK = 3, 4, 5, 6
+_SLEEP, _ADDR, _TOKEN, _CMA_OK, _TOLD = 3, 4, 5, 6, 7
 MAX_LOCAL_RANKS = 48
+#: Slots of the table of :meth:`LocalGroup.tell` (one word in each rank's line, whether a rank uses it or not).
+TOLD_SLOTS = MAX_LOCAL_RANKS
 _FAIL_WORD = MAX_LOCAL_RANKS * _LINE_WORDS  # 1 once a rank wrote its failure note
 _NOTE_LEN_WORD = _FAIL_WORD + 1
 _NOTE_OFFSET = (_NOTE_LEN_WORD + 1) * 8
@@ -262,6 +265,16 @@ class LocalGroup:
         """Say where this rank's (contiguous) buffer of the current call is: peers read and
         write it with :meth:`read_from` / :meth:`write_to` after the next sync."""
         self._words[self.me * _LINE_WORDS + _ADDR] = buf.ctypes.data
+
+    def tell(self, slot: int, word: int) -> None:
+        """Write ``word`` (a 64-bit unsigned integer) into slot ``slot`` (0 <= slot <
+        :data:`TOLD_SLOTS`) of a table in the arena: the peers read it with :meth:`told` once
+        it has passed a sync after this call.  Who writes which slot is the caller's convention."""
+        self._words[slot * _LINE_WORDS + _TOLD] = word
+
+    def told(self, slot: int) -> int:
+        """The word in slot ``slot`` (:meth:`tell`; 0 until one is written)."""
+        return self._words[slot * _LINE_WORDS + _TOLD]
 
     def read_from(self, lr: int, offset: int, out: np.ndarray) -> None:
         """Copy ``out.nbytes`` bytes from local rank ``lr``'s published buffer, ``offset``

@@ -151,7 +151,7 @@ def run_rank(args: argparse.Namespace) -> int:
                 machine, steal = _machine_shares(comm, box0, box_cpu())
                 on_wire = wire if algo != "gloo" else None
                 wrong, max_err = _check(fn, count, dtype, op, rank, world, comm, on_wire) if args.check else (-1, None)
-                how = route(comm, nbytes, algo) if algo != "gloo" else {"scheme": "flat", "inter": "ring"}
+                how = route(comm, x, op, algo) if algo != "gloo" else {"scheme": "flat", "inter": "ring"}
                 extra: dict[str, Any] = {**how}
                 if on_wire is not None and extra["inter"] in ("server", "ring"):  # ("small" carries float32)
                     extra["wire_dtype"] = ops.WIRE_NAMES[on_wire]
@@ -181,17 +181,17 @@ def run_rank(args: argparse.Namespace) -> int:
     return 0
 
 
-def route(comm, nbytes: int, algo: str) -> dict[str, str]:
-    """How ``comm`` runs an all-reduce of ``nbytes`` asked as ``algo``: ``scheme`` "flat" (every
-    rank on the network on its own) or "hierarchical" (reduced inside each host first), and
-    ``inter``, the algorithm between hosts (for a hierarchical one, its inter-host group's
-    choice for one shard; "none" when no host link is crossed).  The benchmarks' bounds
-    follow from it."""
-    chosen = comm.choose_algorithm(nbytes, None if algo == "auto" else algo)
+def route(comm, x: np.ndarray, op: ops.ReduceOp, algo: str) -> dict[str, str]:
+    """How ``comm`` ran the all-reduces of ``x`` with ``op`` asked as ``algo``: ``scheme``
+    "flat" (every rank on the network on its own) or "hierarchical" (reduced inside each host
+    first), ``inter``, the algorithm between hosts (for a hierarchical one, its inter-host
+    group's choice for one shard; "none" when no host link is crossed), and ``path``, how
+    they moved data inside the host.  The benchmarks' bounds follow from it."""
+    chosen = comm.choose_algorithm(x.nbytes, None if algo == "auto" else algo)
     if chosen != "hier":
         return {"scheme": "flat", "inter": chosen}
-    return {"scheme": "hierarchical", "inter": comm.hier.inter_algorithm(nbytes),
-            "path": comm.hier.local_path(nbytes)}
+    return {"scheme": "hierarchical", "inter": comm.hier.inter_algorithm(x.nbytes),
+            "path": comm.hier.path_taken(x.dtype, x.size, op)}
 
 
 def _check(fn, count: int, dtype: np.dtype, op: ops.ReduceOp, rank: int, world: int, comm,

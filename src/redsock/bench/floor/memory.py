@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import ops
 from ...errors import PeerFailure
 from ...results import human_size
 from ..allreduce.rank import B2B_ROUNDS
@@ -98,7 +99,7 @@ def _rank(rank: int, nprocs: int, sizes: list[int], warmup: int, store_dir: str,
             x[:] = rank + 1
             comm.all_reduce(x)
             wrong = int(np.count_nonzero(x != nprocs * (nprocs + 1) // 2))
-            path = comm.hier.local_path(count * 4) if comm.hier is not None else "-"
+            path = comm.hier.path_taken(x.dtype, count, ops.ReduceOp.SUM) if comm.hier is not None else "-"
             rows.append({"size": nbytes, "calls": calls, "floor_s": floor, "redsock_s": redsock, "wrong": wrong,
                          "path": path, "machine_busy": round(busy, 3), "machine_steal": round(steal, 3)})
         out.put((rank, rows))

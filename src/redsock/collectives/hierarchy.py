@@ -68,9 +68,9 @@ WHOLE_MAX_BYTES = 64 * KiB
 #: (a second sync costs most where the cores are oversubscribed, and the whole buffer's
 #: reduction once its rows leave the cache).
 WHOLE_ROWS_BYTES = 512 * KiB
-#: From this size a single-host all-reduce goes by cross-memory attach where every local rank
-#: may (:meth:`Hierarchy._reduce_direct`): below it the arena's copies cost less than the
-#: kernel's page pinning and system calls.  4 ranks on 2 cores, 100-200 back-to-back calls,
+#: From this size a single-host all-reduce starts by cross-memory attach where every local rank
+#: may (:meth:`Hierarchy._reduce_direct`; then the faster way lately, :data:`PROBE_EVERY`):
+#: below it the arena's copies cost less than the kernel's page pinning and system calls.  4 ranks on 2 cores, 100-200 back-to-back calls,
 #: alternating rounds, arena / cross-memory attach (docs/benchmarks/lab-log.md, "Several ranks
 #: per host"): 256 KiB 184-239 / 234-453 us, 512 KiB 355-745 / 385-700 us, 1 MiB 637-748 /
 #: 614-769 us, 2 MiB 1223-1570 / 1032-1109 us, 16 MiB 11.4-11.7 / 6.7-7.7 ms.  Again on
@@ -92,9 +92,9 @@ CMA_SPIN_US = SPIN_SMALL_US
 #: Where both ways are open (one host, cross-memory attach allowed, above the whole-buffer
 #: size) the faster one is not a matter of size alone: it changes with the machine's state,
 #: from one minute to the next, and the arena's copies gain from a fast state where the
-#: kernel's page pinning does not.  4 ranks on 2 cores, 2026-12-06, alternating runs of 100
-#: back-to-back calls, arena / cross-memory attach: 1 MiB 259-283 / 518-636 us in one state,
-#: 896-1021 / 514-554 in the other; 2 MiB 535-594 / 967-1017 against 1852-1977 / 968-1246.
+#: kernel's page pinning does not.  4 ranks on 2 cores, 2026-12-06, 3 alternating rounds of
+#: 100 back-to-back calls, arena / cross-memory attach: 1 MiB 1021 / 636 us, 931 / 522, 275 / 518;
+#: 2 MiB 1977 / 1017, 1852 / 1246, 563 / 967 (docs/benchmarks/lab-log.md).
 #: So local rank 0 times each shape's calls both ways and the calls take the faster
 #: (:meth:`Hierarchy._choose_way`): after PROBE_EVERY calls on one way it tries the other, and
 #: moves whenever one way's best of its last two calls is SWITCH_MARGIN of the other's.

@@ -129,7 +129,8 @@ class _Ways:
     1 | way``), read as a call starts; rank 0 writes it between the call's first and last sync,
     when every rank has read it for this call and before any can read it for the next.  Only
     rank 0 times.  Two shapes whose numbers share a slot may overwrite each other's word: the
-    number in it tells, and the overwritten shape keeps its way (everywhere alike)."""
+    number in it tells, and the overwritten shape keeps its way (everywhere alike).  No lock:
+    only the call that holds the arena's turn (:meth:`Hierarchy.in_turn`) reads or changes it."""
     __slots__ = ("ident", "plans", "way", "taken", "since", "times")
 
     def __init__(self, ident: int, way: int):

@@ -70,9 +70,9 @@ WHOLE_MAX_BYTES = 64 * KiB
 WHOLE_ROWS_BYTES = 512 * KiB
 #: From this size a single-host all-reduce starts by cross-memory attach where every local rank
 #: may (:meth:`Hierarchy._reduce_direct`; then the faster way lately, :data:`PROBE_EVERY`):
-#: below it the arena's copies cost less than the kernel's page pinning and system calls.  4 ranks on 2 cores, 100-200 back-to-back calls,
-#: alternating rounds, arena / cross-memory attach (docs/benchmarks/lab-log.md, "Several ranks
-#: per host"): 256 KiB 184-239 / 234-453 us, 512 KiB 355-745 / 385-700 us, 1 MiB 637-748 /
+#: below it the arena's copies cost less than the kernel's page pinning and system calls.
+#: 4 ranks on 2 cores, 100-200 back-to-back calls, alternating rounds, arena / cross-memory
+#: attach (docs/benchmarks/lab-log.md, "Several ranks per host"): 256 KiB 184-239 / 234-453 us, 512 KiB 355-745 / 385-700 us, 1 MiB 637-748 /
 #: 614-769 us, 2 MiB 1223-1570 / 1032-1109 us, 16 MiB 11.4-11.7 / 6.7-7.7 ms.  Again on
 #: 2026-12-05, 3 alternating runs of 4 x 300 calls: 512 KiB 348-411 / 297-332 us, 256 KiB
 #: 145-184 / 171-309 us; 2 ranks (a core each), 512 KiB 84-90 / 67-108 us.

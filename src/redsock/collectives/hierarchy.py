@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -139,7 +140,7 @@ class _Ways:
         self.way = way  # 0: the arena, 1: cross-memory attach
         self.taken = [0, 0]  # this shape's calls each way
         self.since = 0  # calls since the way last changed
-        self.times: tuple[list[float], list[float]] = ([], [])  # local rank 0: its last two calls' times each way
+        self.times = (deque(maxlen=2), deque(maxlen=2))  # local rank 0: its last two calls' times each way
 
     def describe(self) -> str:
         """The ways the calls took, e.g. "cma" or "cma:97%+arena:3%"."""
@@ -258,9 +259,10 @@ class Hierarchy:
     def path_taken(self, dtype: np.dtype, count: int, op: ops.ReduceOp) -> str:
         """How the single-host all-reduces of this shape went so far (:meth:`local_path`'s
         names; the shares of each where they went either way)."""
-        plan = self._plans.get((np.dtype(dtype), count, op))
+        dtype = np.dtype(dtype)
+        plan = self._plans.get((dtype, count, op))
         if plan is None or plan.ways is None or not any(plan.ways.taken):
-            return self.local_path(count * np.dtype(dtype).itemsize)
+            return self.local_path(count * dtype.itemsize)
         return plan.ways.describe()
 
     def runs_here(self, nbytes: int) -> bool:
@@ -343,10 +345,7 @@ class Hierarchy:
             return
         t0 = time.perf_counter()
         sub.run(sub, x, signature ^ (_WAY_MARK * way), timeout_s)
-        times = w.times[way]
-        times.append(time.perf_counter() - t0)
-        if len(times) > 2:
-            del times[0]
+        w.times[way].append(time.perf_counter() - t0)
 
     def _choose_way(self, w: _Ways) -> None:
         """Local rank 0, between a call's first and last sync: the way of this shape's next

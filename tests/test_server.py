@@ -263,6 +263,47 @@ def test_a_worker_that_gives_up_between_rounds_passes_its_diagnosis_on_at_once()
                 c.close()
 
 
+def test_a_worker_behind_on_its_results_still_learns_why_its_job_was_aborted():
+    """Rank 0 has not read its results for a while, so the reducer's write of one is half done
+    when rank 1 gives up: rank 0 must still read the reducer's reason ("[failed ranks: 5]")
+    after the results it was owed, not a bare end of stream naming nobody (the fault matrix's
+    hier-reducers / worker SIGKILL: one rank named nobody in a loaded run)."""
+    with ReductionServer("127.0.0.1", 0, config=Config(timeout_s=30)) as server:
+        cfg = Config(timeout_s=30, nsocks=1)
+        conns = [connect(server.address, config=cfg, name=f"rank{r}") for r in range(2)]
+        n = 15_000  # 60 kB: each result goes back inline on the control stream
+        # A small receive buffer (the kernel's would grow to megabytes) fills in a few results.
+        conns[0]._ctrl.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+        try:
+            owed, link = [], None
+            for seq in range(400):  # until the reducer has a result for rank 0 half-sent (its
+                for rank, conn in enumerate(conns):  # kernel's send buffer takes a few MB first)
+                    x, out = np.full(n, seq + rank, np.float32), np.empty(n, np.float32)
+                    got = conn.irecv(out, wire.piece_tag(seq, 0))
+                    conn.isend(wire.encode_announce(7, seq, ops.dtype_code(x.dtype), ops.ReduceOp.SUM.code, 2, rank,
+                                                    0, n, n, 1, 0, wire.timeout_ms(30)) + x.tobytes(), wire.ANNOUNCE_TAG)
+                    if rank == 0:
+                        owed.append((got, out, 2 * seq + 1))
+                    else:
+                        got.wait(10)
+                        assert np.all(out == 2 * seq + 1)
+                link = link or server._jobs[7].links[0]
+                if link._ctrl_out:
+                    break
+            assert link._ctrl_out, "the reducer wrote every result: nothing is half-sent"
+            conns[1].abort(wire.failed_ranks_reason([5], "rank 1 gives up: rank 5 died"))
+            t0 = time.monotonic()
+            for got, out, want in owed:  # what the reducer had summed reaches rank 0 whole
+                got.wait(20)
+                assert np.all(out == want)
+            with pytest.raises(TransportError, match=r"\[failed ranks: 5\]"):  # and then why it ended
+                conns[0].recv(np.empty(n, np.float32), wire.piece_tag(len(owed), 0), timeout=20)
+            assert time.monotonic() - t0 < 5
+        finally:
+            for c in conns:
+                c.close()
+
+
 def test_a_job_that_ended_at_its_reducer_never_reopens_there():
     """World ranks 1 and 3 are a hierarchical job's inter-host group; rank 3 gives up (its
     host-mate, rank 2, died) and tells the reducer why.  The calls each rank had queued behind

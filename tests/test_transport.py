@@ -16,7 +16,7 @@ from redsock import wire
 from redsock.config import Config
 from redsock.errors import AuthError, ConfigError, ProtocolError, Timeout, TransportError
 from redsock.transport import Listener, connect
-from redsock.transport.sockets import TCP_NOTSENT_LOWAT, ControlReader
+from redsock.transport.sockets import TCP_NOTSENT_LOWAT, ControlReader, shutdown_quietly
 
 
 def roundtrip(a, b, data, tag=0):
@@ -793,6 +793,24 @@ def test_the_peers_reason_survives_a_stream_failure_while_a_waiter_reads_the_con
         client._ctrl_rx_lock.release()
     with pytest.raises(TransportError, match=r"\[failed ranks: 5\] rank 0 gives up"):
         h.wait(10)
+
+
+def test_the_peers_reason_that_comes_after_a_stream_broke_mid_slice_is_still_read(make_pair):
+    """The peer cuts a data stream mid-slice and its reason (an ABORT record) reaches the
+    control stream a moment later, behind records it was still writing (a reducer aborting a
+    job while a worker is behind on its results).  The failure must carry the reason, not the
+    cut stream's "closed the connection mid-slice", which names nobody."""
+    client, server = make_pair(nsocks=1)
+    h = client.irecv(np.empty(1 << 20, np.uint8), tag=3)
+    server._data[0].sendall(wire.encode_slice(3, 0, 1 << 20, 0, 1 << 20, 0) + bytes(1000))
+    shutdown_quietly(server._data[0])
+    later = threading.Timer(0.3, server._ctrl.sendall, [wire.encode_abort("[failed ranks: 5] rank 0 gives up")])
+    later.start()
+    try:
+        with pytest.raises(TransportError, match=r"\[failed ranks: 5\] rank 0 gives up"):
+            h.wait(10)
+    finally:
+        later.join()
 
 
 class _ControlStreamThatBreaks:

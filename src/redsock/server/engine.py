@@ -29,6 +29,7 @@ import logging
 import select
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
@@ -48,6 +49,10 @@ RCVLOWAT_MAX = 4 * 1024 * 1024  # a data stream's loop is woken about once per s
 #: Messages a connection may have arriving, or waiting for their announce, at once: workers keep
 #: WINDOW (4) pieces in flight per reducer, so more is a broken or hostile peer (memory stays bounded).
 MAX_AHEAD = 32
+#: How long an aborted connection's last control records (the one the kernel had taken in part,
+#: then the ABORT record with the reason) may take to reach a worker that is behind on reading;
+#: the worker reads its control stream to the end once the data streams end (for up to 10 s).
+ABORT_FLUSH_S = 10.0
 _IN = select.EPOLLIN | select.EPOLLRDHUP
 _OUT = select.EPOLLOUT
 
@@ -276,7 +281,7 @@ class Link:
     def send_inline(self, record: bytes) -> None:
         """A whole inline record (header and payload) on the control stream."""
         with self.tx_lock:
-            if self.closed:
+            if self.closed or self.error is not None:  # failing: nothing goes after the ABORT record
                 return
             if not self._ctrl_out:
                 try:
@@ -295,7 +300,7 @@ class Link:
     def send_slices(self, slices: list[tuple[bytes, memoryview]], out: Outgoing) -> None:
         """A message as slice records; each goes out on whichever data stream has room first."""
         with self.tx_lock:
-            if self.closed:
+            if self.closed or self.error is not None:
                 for _ in slices:
                     out.release()
                 return
@@ -338,23 +343,29 @@ class Link:
 
     def on_writable_ctrl(self) -> None:
         with self.tx_lock:
-            if self.closed:
-                return
-            try:
-                while self._ctrl_out:
-                    head = self._ctrl_out[0]
-                    try:
-                        n = self.ctrl.send(head, socket.MSG_DONTWAIT)
-                    except BlockingIOError:
-                        break
-                    if n < len(head):
-                        self._ctrl_out[0] = memoryview(head)[n:]
-                        break
-                    self._ctrl_out.popleft()
-            except OSError as e:
-                self._tx_failed(e)
-                return
-            self._watch_ctrl_out(bool(self._ctrl_out))
+            if not self.closed:
+                self._flush_ctrl()
+
+    def _flush_ctrl(self) -> None:
+        """Write the queued control records until the kernel is full (tx_lock held).  Once an
+        aborted connection's ABORT record is out, the control stream ends behind it."""
+        try:
+            while self._ctrl_out:
+                head = self._ctrl_out[0]
+                try:
+                    n = self.ctrl.send(head, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                if n < len(head):
+                    self._ctrl_out[0] = memoryview(head)[n:]
+                    break
+                self._ctrl_out.popleft()
+        except OSError as e:
+            self._tx_failed(e)
+            return
+        self._watch_ctrl_out(bool(self._ctrl_out))
+        if self.error is not None and not self._ctrl_out:
+            shutdown_quietly(self.ctrl)
 
     def on_writable_data(self, i: int) -> None:
         with self.tx_lock:
@@ -375,25 +386,28 @@ class Link:
         """A write failed: the receive side meets the same end and reports it (owner loop)."""
         if self.error is None:
             self.error = translate_oserror(e, self.peer, "send")
+        self._ctrl_out.clear()  # nothing more can reach the worker
         for s in self._sockets():
             shutdown_quietly(s)
 
     # -- ending -------------------------------------------------------------------------
 
     def abort(self, reason: str) -> None:
-        """Tell the worker why (best effort) and cut the connection; any thread.  The owner
-        loop then sees the end and frees what the connection holds."""
+        """Tell the worker why and cut the connection; any thread, never blocking.
+
+        The reason goes as an ABORT record behind any control record the kernel has taken in
+        part (a worker behind on reading its results), so the worker reads what it was owed,
+        then why.  The data streams end at once: the worker's readers meet their end and read
+        the control stream to its end, which follows the ABORT record (see :meth:`_flush_ctrl`
+        and :meth:`close`).  The owner loop then sees the end and frees what the connection holds."""
         with self.tx_lock:
             if self.closed or self.error is not None:
                 return  # closed, or already failing (the first reason is the one that counts)
             self.error = TransportError(reason, peer=self.peer, op="abort")
-            if not self._ctrl_out:  # never in the middle of another record
-                try:
-                    self.ctrl.send(wire.encode_abort(reason), socket.MSG_DONTWAIT)
-                except OSError:
-                    pass
-            for s in self._sockets():
-                shutdown_quietly(s)
+            self._ctrl_out.append(wire.encode_abort(reason))
+            for st in self.streams:
+                shutdown_quietly(st.sock)
+            self._flush_ctrl()
 
     def close(self) -> None:
         """Close the sockets and give back every buffer held (owner loop, once)."""
@@ -409,9 +423,14 @@ class Link:
                 if owner is not None:
                     owner.release()
             self._slices.clear()
-            self._ctrl_out.clear()
-            for s in self._sockets():
-                s.close()
+            for st in self.streams:
+                st.sock.close()
+            unsent, self._ctrl_out = list(self._ctrl_out), deque()
+            if unsent:  # an ABORT record (and what it queued behind) not yet out: see abort()
+                threading.Thread(target=_finish_abort, args=(self.ctrl, unsent, self.peer),
+                                 name=f"redsock-abort-{self.peer}", daemon=True).start()
+            else:
+                self.ctrl.close()
         for msg in self.incoming.values():
             if isinstance(msg.buf, np.ndarray):
                 self.pool.give(msg.buf)
@@ -425,6 +444,24 @@ class Link:
 
     def _sockets(self) -> list[socket.socket]:
         return [self.ctrl, *(st.sock for st in self.streams)]
+
+
+def _finish_abort(ctrl: socket.socket, unsent: list[bytes | memoryview], peer: str) -> None:
+    """Write an aborted connection's last control records, then close it: on a thread of its
+    own (rare: a failure meeting a worker behind on reading), so a slow worker never holds up
+    the loop's other connections; at most ABORT_FLUSH_S (a frozen worker never reads)."""
+    deadline = time.monotonic() + ABORT_FLUSH_S
+    try:
+        for part in unsent:
+            view = memoryview(part)
+            while view:
+                ctrl.settimeout(max(0.001, deadline - time.monotonic()))
+                view = view[ctrl.send(view):]
+        ctrl.shutdown(socket.SHUT_WR)
+    except OSError as e:  # the worker went, or never read in time: it meets the end without the reason
+        log.info("the reason for aborting %s did not reach it: %s", peer, e)
+    finally:
+        ctrl.close()
 
 
 class Loop:

@@ -490,37 +490,38 @@ class Connection:
     def _drain_after_peer_close(self) -> None:
         """Every data stream ended cleanly: deliver what the control stream still holds
         (a last inline message sent just before the peer closed), then fail what remains."""
-        deadline = time.monotonic() + min(self.config.timeout_s, 10.0)
         with self._ctrl_rx_lock:  # a waiter holding it reads its message first, or meets the EOF itself
-            try:
-                while self._error is None and time.monotonic() < deadline:
-                    self._crx.pump(self, wait=True)  # sleeps in the read while nothing comes
-            except TransportError as e:
-                if e.op == "peer abort":  # the peer said why it closed
-                    self._abort(e, notify_peer=False)
-            except (OSError, EOFError, RedsockError):
-                pass
+            self._read_ctrl_to_its_end(time.monotonic() + min(self.config.timeout_s, 10.0))
         self._abort(TransportError(f"{self.peer} closed the connection", peer=self.peer, op="recv"),
                     notify_peer=False)
 
     def _take_peer_reason(self) -> None:
-        """The peer closed: if it said why (an ABORT record, sent before it closed), fail with
-        its reason.  A waiter reading the control stream meets that record itself: wait for it
-        to do so or to let go (a data stream's reset otherwise wins, and a failure reported by
-        the peer would name the peer)."""
+        """The peer closed: if it said why (an ABORT record, sent before its control stream
+        ends), fail with its reason.  A waiter reading the control stream meets that record
+        itself: wait for it to do so or to let go (a data stream's reset otherwise wins, and a
+        failure reported by the peer would name the peer)."""
         deadline = time.monotonic() + PEER_REASON_WAIT_S
         while not self._ctrl_rx_lock.acquire(timeout=0.01):
             if self._error is not None or time.monotonic() >= deadline:
                 return
         try:
-            self._pump_ctrl()
-        except RedsockError as e:
-            if isinstance(e, TransportError) and e.op == "peer abort":
-                self._abort(e, notify_peer=False)
-        except (OSError, EOFError):
-            pass
+            self._read_ctrl_to_its_end(deadline)
         finally:
             self._ctrl_rx_lock.release()
+
+    def _read_ctrl_to_its_end(self, deadline: float) -> None:
+        """Deliver what the control stream brings until it ends, the connection fails, or
+        ``deadline``; a peer's ABORT record fails the connection with its reason.  Not one
+        read: the record may come behind others the peer is still writing (a reducer aborting
+        a job while this worker was behind on its results).  Caller holds the rx lock."""
+        try:
+            while self._error is None and time.monotonic() < deadline:
+                self._crx.pump(self, wait=True)  # sleeps in the read while nothing comes
+        except TransportError as e:
+            if e.op == "peer abort":  # the peer said why it closed
+                self._abort(e, notify_peer=False)
+        except (OSError, EOFError, RedsockError):
+            pass
 
     # -- waiting ------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from redsock.config import Config
 from redsock.errors import ConfigError, TransportError
 from redsock.server import ReductionServer
 from redsock.server.aggregate import BufferPool, Piece, Round
+from redsock.server.engine import Link, Outgoing
 from redsock.transport import connect
 from test_collectives import digests, run_world
 
@@ -302,6 +303,51 @@ def test_a_worker_behind_on_its_results_still_learns_why_its_job_was_aborted():
         finally:
             for c in conns:
                 c.close()
+
+
+class _NoHandler:
+    def on_announce(self, link, payload): raise AssertionError("nothing is read here")
+    on_piece = on_progress = on_lost = on_announce
+
+
+def test_an_aborted_link_with_a_slice_and_a_record_half_sent_ends_its_control_stream_with_the_reason():
+    """A reducer's link to a worker behind on reading both its streams is aborted; its owner
+    loop then finds the cut data stream writable (epoll says so once a stream is shut) and
+    writes the rest of the slice there: that write's error must not cut the control stream,
+    whose ABORT record (behind the half-sent result) the worker has yet to read."""
+    ctrl, worker_ctrl = socket.socketpair()
+    data, worker_data = socket.socketpair()
+    for sock in (ctrl, worker_ctrl, data, worker_data):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 * 1024)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+    pool = BufferPool()
+    link = Link(ctrl, [data], peer="worker", config=Config(), inline_bytes=64 * 1024, pool=pool, handler=_NoHandler())
+    try:
+        payload = np.arange(1 << 18, dtype=np.uint32).view(np.uint8)
+        link.send_slices([(wire.encode_slice(1 << 40, 0, payload.size, 0, payload.size), memoryview(payload))],
+                         Outgoing(pool.take(16), pool, 1))
+        assert link.streams[0].tx, "the slice went out whole"
+        record = wire.encode_inline(1 << 40, 1, 60_000) + bytes(60_000)
+        sent = 0
+        while not link._ctrl_out:
+            link.send_inline(record)
+            sent += 1
+        link.abort("[failed ranks: 5] the job is over")
+        link.on_writable_data(0)  # what the owner loop does next
+        link.close()  # the control stream's rest is written behind its back
+        worker_ctrl.settimeout(10)
+        got = bytearray()
+        while chunk := worker_ctrl.recv(1 << 20):
+            got += chunk
+        body = len(record) * sent
+        assert got[:body] == record * sent  # every result, whole
+        rec = wire.decode_ctrl(got[body:body + wire.CTRL_SIZE], 64 * 1024)
+        assert rec.type == wire.RecordType.ABORT
+        assert bytes(got[body + wire.CTRL_SIZE:]) == b"[failed ranks: 5] the job is over"
+    finally:
+        link.close()
+        for sock in (worker_ctrl, worker_data):
+            sock.close()
 
 
 def test_a_job_that_ended_at_its_reducer_never_reopens_there():

@@ -311,7 +311,7 @@ class Link:
 
     def _send_probe_answer(self, nonce: int) -> None:
         with self.tx_lock:
-            if not self.closed:
+            if not self.closed and self.error is None:
                 self._slices.appendleft((wire.encode_probe(wire.RecordType.PONG, nonce), memoryview(b""), None))
                 self._pump(0)
 
@@ -369,7 +369,9 @@ class Link:
 
     def on_writable_data(self, i: int) -> None:
         with self.tx_lock:
-            if not self.closed:
+            # Failing: the data streams are shut, and a write's error there must not cut the
+            # control stream before the ABORT record is out (see abort()).
+            if not self.closed and self.error is None:
                 self._pump(i)
 
     def _watch_ctrl_out(self, on: bool) -> None:

@@ -123,7 +123,9 @@ class Link:
 
     Receiving runs only on the owner loop's thread.  Sending may come from any thread
     (whoever completed a piece) under ``tx_lock``; the owner loop finishes what the
-    kernel could not take at once."""
+    kernel could not take at once.  An aborted link closed before its last control records
+    are out hands its control socket to a thread of its own (:func:`_finish_abort`): nothing
+    else touches that socket from then on (``closed`` is set under ``tx_lock``)."""
 
     def __init__(self, ctrl: socket.socket, data: list[socket.socket], *, peer: str, config: Config,
                  inline_bytes: int, pool: BufferPool, handler: Handler):

@@ -813,6 +813,43 @@ def test_the_peers_reason_that_comes_after_a_stream_broke_mid_slice_is_still_rea
         later.join()
 
 
+class _ControlStreamThatStalls:
+    """The control socket, except that its first ``sendmsg`` writes half of what it is given
+    and the next ones wait for ``go`` (a peer behind on reading, a message half-written)."""
+
+    def __init__(self, sock):
+        self._sock, self.go, self.calls = sock, threading.Event(), 0
+
+    def sendmsg(self, parts, *args):
+        self.calls += 1
+        if self.calls == 1:
+            data = b"".join(bytes(p) for p in parts)
+            return self._sock.send(data[:len(data) // 2])
+        self.go.wait(10)
+        return self._sock.sendmsg(parts, *args)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_a_reason_never_lands_inside_a_message_half_sent_on_the_control_stream(make_pair):
+    """A small message is half-written on the control stream (the rest waits in the backlog)
+    when this side aborts with a long reason: the ABORT record must not go into the middle of
+    that message, where the peer would take its bytes for the message's (a message that
+    arrives complete with wrong bytes: a silently wrong sum)."""
+    client, server = make_pair(nsocks=1)
+    client._ctrl = stall = _ControlStreamThatStalls(client._ctrl)
+    msg = np.full(2000, 7, np.uint8)
+    client.isend(msg, tag=1)
+    assert client._ctrl_backlog, "the message went out whole"
+    client.abort("[failed ranks: 5] " + "x" * 4000)
+    stall.go.set()
+    got = np.zeros_like(msg)
+    with pytest.raises(TransportError):  # the message is cut short: it fails, not arrives wrong
+        server.recv(got, tag=1, timeout=10)
+    assert set(np.unique(got)) <= {0, 7}, "the reason's bytes landed in the message"
+
+
 class _ControlStreamThatBreaks:
     """The control socket, except that every ``sendmsg`` meets ``error`` (as a reset or a
     stopped peer makes it do); everything else goes to the real socket."""

@@ -461,17 +461,21 @@ class Connection:
             self._send_cv.notify_all()
         with self._ctrl_tx_cv:
             pending += [h for h, _ in self._ctrl_backlog if h is not None and h is not self._ctrl_writing]
+            # A record partly written (the backlog's head: its writer met a full kernel) must
+            # not get the ABORT record in its middle: the peer would take the reason's bytes
+            # for the message's.  The reason is left out then (the peer meets a cut record).
+            torn = bool(self._ctrl_backlog) or self._ctrl_writing is not None
             self._ctrl_backlog.clear()
             self._ctrl_tx_cv.notify_all()
+            if notify_peer and not torn:  # best effort, so the peer can say why rather than "connection closed"
+                try:  # (under the lock: no other record starts meanwhile)
+                    self._ctrl.send(wire.encode_abort(str(err)), socket.MSG_DONTWAIT)
+                except OSError:
+                    pass
         for h in pending:
             h._fail(err)
         if not self._closed:  # callers see it as an exception; the log is for debugging
             log.debug("connection to %s failed (%d operations pending): %s", self.peer, len(pending), err)
-        if notify_peer:  # best effort, so the peer can say why rather than "connection closed"
-            try:
-                self._ctrl.send(wire.encode_abort(str(err)), socket.MSG_DONTWAIT)
-            except OSError:
-                pass
         for s in [self._ctrl, *self._data]:
             shutdown_quietly(s)
 
@@ -645,6 +649,9 @@ class Connection:
         with self._ctrl_tx_lock:
             sent = 0
             failure: OSError | None = None
+            if self._error is not None:  # failed since isend looked: nothing goes behind an ABORT record
+                h._fail(self._error)
+                self._check_open("send")
             if not self._ctrl_backlog:
                 try:
                     sent = self._ctrl.sendmsg(parts, (), socket.MSG_DONTWAIT)

@@ -430,7 +430,8 @@ class Link:
             for st in self.streams:
                 st.sock.close()
             unsent, self._ctrl_out = list(self._ctrl_out), deque()
-            if unsent:  # an ABORT record (and what it queued behind) not yet out: see abort()
+            aborted = isinstance(self.error, TransportError) and self.error.op == "abort"
+            if unsent and aborted:  # its ABORT record (and what it queued behind) not yet out: see abort()
                 threading.Thread(target=_finish_abort, args=(self.ctrl, unsent, self.peer),
                                  name=f"redsock-abort-{self.peer}", daemon=True).start()
             else:

@@ -49,6 +49,8 @@ SHUTDOWN_REASON = "reduction server shutting down"
 DIAGNOSIS_MARGIN_S = 2.0
 #: How often stalled rounds are looked for (part of how late a diagnosis can come).
 REAP_INTERVAL_S = 0.25
+#: How many aborted jobs' reasons are kept, for their workers' calls that arrive after the end.
+ENDED_KEPT = 1024
 
 
 @dataclass
@@ -82,6 +84,7 @@ class ReductionServer:
         self._lock = threading.Lock()
         self._jobs: dict[int, Job] = {}
         self._rounds: dict[tuple[int, int], Round] = {}
+        self._ended: dict[int, str] = {}  # why the last ENDED_KEPT aborted jobs ended, by job id
         self._closed = threading.Event()
         self._metrics = _Metrics(host, metrics_port) if metrics_port else None
         self._loops = [Loop(f"redsock-loop{i}") for i in range(threads or os.cpu_count() or 1)]
@@ -183,6 +186,13 @@ class ReductionServer:
             raise ProtocolError(f"{link.peer} is job {link.identity[0]:#x} rank {link.identity[1]} but "
                                 f"announced job {ann.job:#x} rank {ann.rank}")
         rnd = self._round(ann)
+        if rnd is None:
+            # The job ended here a moment ago: whoever ended it tells its links why, but this
+            # one is about to be dropped (closed) first.  Say why now.
+            with self._lock:
+                why = self._ended.get(ann.job, f"reduction server: job {ann.job:#x} was aborted")
+            link.abort(why)
+            raise TransportError(f"job {ann.job:#x} ended", op="round")
         mine = ann.my_pieces()
         inline = len(payload) > wire.ANNOUNCE_SIZE  # the call's only piece here came along
         if inline and len(mine) != 1:
@@ -236,11 +246,12 @@ class ReductionServer:
         if self._metrics:
             self._metrics.jobs.set(len(self._jobs))
 
-    def _round(self, ann: wire.Announce) -> Round:
+    def _round(self, ann: wire.Announce) -> Round | None:
+        """The round ``ann`` joins (made by its first announce); None if its job has ended."""
         signature = (ann.dtype_code, ann.wire_code, ann.op_code, ann.count, ann.piece_elems, ann.nservers, ann.flags)
         with self._lock:
             if ann.job not in self._jobs:
-                raise TransportError(f"job {ann.job:#x} was aborted", op="round")
+                return None
             key = (ann.job, ann.op_seq)
             rnd = self._rounds.get(key)
             if rnd is None:
@@ -351,17 +362,21 @@ class ReductionServer:
     def _abort_job(self, job_id: int, ranks: list[int], why: str, relayed: bool = False) -> None:
         """Abort a job's rounds here: free their memory and tell every worker which ranks failed:
         ranks of the job found here, or (``relayed``) the world's ranks a worker named."""
+        note = wire.failed_ranks_reason if relayed else wire.failed_job_ranks_reason
+        reason = note(ranks, f"reduction server: {why}")
         with self._lock:
             job = self._jobs.pop(job_id, None)
             rounds = [self._rounds.pop(k) for k in list(self._rounds) if k[0] == job_id]
+            if job is not None:  # for a call that comes before its link is told (see on_announce)
+                self._ended[job_id] = reason
+                if len(self._ended) > ENDED_KEPT:
+                    del self._ended[next(iter(self._ended))]
         for rnd in rounds:
             for piece in rnd.pieces.values():
                 piece.release()
         log.warning("job %#x aborted: %s", job_id, why)
         if job is None:
             return
-        note = wire.failed_ranks_reason if relayed else wire.failed_job_ranks_reason
-        reason = note(ranks, f"reduction server: {why}")
         for link in job.links.values():
             link.abort(reason)
         if self._metrics:

@@ -16,6 +16,7 @@ from redsock import wire
 from redsock.config import Config
 from redsock.errors import AuthError, ConfigError, ProtocolError, Timeout, TransportError
 from redsock.transport import Listener, connect
+from redsock.transport.connection import PEER_REASON_WAIT_S
 from redsock.transport.sockets import TCP_NOTSENT_LOWAT, ControlReader, shutdown_quietly
 
 
@@ -836,7 +837,8 @@ def test_a_reason_never_lands_inside_a_message_half_sent_on_the_control_stream(m
     """A small message is half-written on the control stream (the rest waits in the backlog)
     when this side aborts with a long reason: the ABORT record must not go into the middle of
     that message, where the peer would take its bytes for the message's (a message that
-    arrives complete with wrong bytes: a silently wrong sum)."""
+    arrives complete with wrong bytes: a silently wrong sum).  The message is finished, then
+    the reason follows it (the peer names whom this side named, not this side)."""
     client, server = make_pair(nsocks=1)
     client._ctrl = stall = _ControlStreamThatStalls(client._ctrl)
     msg = np.full(2000, 7, np.uint8)
@@ -845,9 +847,36 @@ def test_a_reason_never_lands_inside_a_message_half_sent_on_the_control_stream(m
     client.abort("[failed ranks: 5] " + "x" * 4000)
     stall.go.set()
     got = np.zeros_like(msg)
-    with pytest.raises(TransportError):  # the message is cut short: it fails, not arrives wrong
-        server.recv(got, tag=1, timeout=10)
-    assert set(np.unique(got)) <= {0, 7}, "the reason's bytes landed in the message"
+    server.recv(got, tag=1, timeout=10)  # the message is finished first, whole and right
+    assert np.array_equal(got, msg), "the reason's bytes landed in the message"
+    with pytest.raises(TransportError, match=r"\[failed ranks: 5\]"):  # then the reason
+        server.recv(got, tag=2, timeout=10)
+
+
+def test_a_reason_queued_for_a_peer_that_never_reads_gives_up_within_the_wait(make_pair):
+    """The reason waits behind a half-written message for a peer that reads nothing (stopped):
+    this side's close must not wait for it longer than PEER_REASON_WAIT_S (and a bit)."""
+    client, server = make_pair(nsocks=1)
+    for sock in (client._ctrl, server._ctrl):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    server._ctrl_rx_lock.acquire()  # the server reads no more of its control stream
+    try:
+        for _ in range(100):  # until both kernels' buffers are full and messages wait here
+            for _ in range(50):
+                client.isend(np.full(2000, 1, np.uint8))
+            time.sleep(0.05)
+            if client._ctrl_backlog:
+                break
+        assert client._ctrl_backlog, "every message went out"
+        t0 = time.monotonic()
+        client.abort("[failed ranks: 5] rank 0 gives up")
+        client.close()
+        took = time.monotonic() - t0
+    finally:
+        server._ctrl_rx_lock.release()
+    assert PEER_REASON_WAIT_S - 0.1 < took < PEER_REASON_WAIT_S + 2.0
+    assert client._ctrl_tx_thread is not None and not client._ctrl_tx_thread.is_alive()
 
 
 class _ControlStreamThatBreaks:

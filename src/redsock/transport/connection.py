@@ -460,24 +460,35 @@ class Connection:
             self._schedule.drain()
             self._send_cv.notify_all()
         with self._ctrl_tx_cv:
-            pending += [h for h, _ in self._ctrl_backlog if h is not None and h is not self._ctrl_writing]
-            # A record partly written (the backlog's head: its writer met a full kernel) must
-            # not get the ABORT record in its middle: the peer would take the reason's bytes
-            # for the message's.  The reason is left out then (the peer meets a cut record).
-            torn = bool(self._ctrl_backlog) or self._ctrl_writing is not None
-            self._ctrl_backlog.clear()
-            self._ctrl_tx_cv.notify_all()
-            if notify_peer and not torn:  # best effort, so the peer can say why rather than "connection closed"
+            # The backlog's head may be partly written (its writer met a full kernel): the
+            # ABORT record must not go into its middle, where the peer would take the reason's
+            # bytes for the message's.  With a reason to give, the head is finished and the
+            # reason goes behind it, both by the backlog's thread, which then ends the control
+            # stream (see _ctrl_send_loop; PEER_REASON_WAIT_S at most: a peer that never reads).
+            backlog = self._ctrl_backlog
+            linger = notify_peer and bool(backlog)
+            head = backlog[0] if linger else None
+            pending += [h for h, _ in backlog if h is not None and h is not self._ctrl_writing
+                        and (head is None or h is not head[0])]
+            backlog.clear()
+            if head is not None:
+                backlog.extend([head, (None, [wire.encode_abort(str(err))])])
+            elif notify_peer:  # best effort, so the peer can say why rather than "connection closed"
                 try:  # (under the lock: no other record starts meanwhile)
                     self._ctrl.send(wire.encode_abort(str(err)), socket.MSG_DONTWAIT)
                 except OSError:
                     pass
+            self._ctrl_tx_cv.notify_all()
         for h in pending:
             h._fail(err)
         if not self._closed:  # callers see it as an exception; the log is for debugging
             log.debug("connection to %s failed (%d operations pending): %s", self.peer, len(pending), err)
-        for s in [self._ctrl, *self._data]:
+        for s in self._data if linger else [self._ctrl, *self._data]:
             shutdown_quietly(s)
+        if linger:
+            timer = threading.Timer(PEER_REASON_WAIT_S, shutdown_quietly, [self._ctrl])
+            timer.daemon = True
+            timer.start()
 
     def _io_failed(self, exc: BaseException, op: str, reading_ctrl: bool = False) -> None:
         """``exc`` ended an operation on a stream.  ``reading_ctrl``: the caller holds the
@@ -683,6 +694,7 @@ class Connection:
                 with self._ctrl_tx_cv:
                     while not self._ctrl_backlog:
                         if self._error is not None:
+                            shutdown_quietly(self._ctrl)  # behind the ABORT record, if _abort left one
                             return
                         self._ctrl_tx_cv.wait()
                     h, parts = self._ctrl_backlog[0]  # stays queued until sent, so order holds

@@ -340,12 +340,10 @@ class Hierarchy:
         way = w.way
         w.taken[way] += 1
         sub = w.plans[way]
-        if g.me:
-            sub.run(sub, x, signature ^ (_WAY_MARK * way), timeout_s)
-            return
         t0 = time.perf_counter()
         sub.run(sub, x, signature ^ (_WAY_MARK * way), timeout_s)
-        w.times[way].append(time.perf_counter() - t0)
+        if not g.me:
+            w.times[way].append(time.perf_counter() - t0)
 
     def _choose_way(self, w: _Ways) -> None:
         """Local rank 0, between a call's first and last sync: the way of this shape's next

@@ -29,7 +29,6 @@ import logging
 import select
 import socket
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
@@ -39,7 +38,14 @@ import numpy as np
 from .. import wire
 from ..config import Config
 from ..errors import ProtocolError, RedsockError, TransportError
-from ..transport.sockets import ControlReader, advance_parts, read_available, shutdown_quietly, translate_oserror
+from ..transport.sockets import (
+    ControlReader,
+    advance_parts,
+    read_available,
+    send_all,
+    shutdown_quietly,
+    translate_oserror,
+)
 from .aggregate import BufferPool
 
 log = logging.getLogger("redsock.server")
@@ -50,8 +56,8 @@ RCVLOWAT_MAX = 4 * 1024 * 1024  # a data stream's loop is woken about once per s
 #: WINDOW (4) pieces in flight per reducer, so more is a broken or hostile peer (memory stays bounded).
 MAX_AHEAD = 32
 #: How long an aborted connection's last control records (the one the kernel had taken in part,
-#: then the ABORT record with the reason) may take to reach a worker that is behind on reading;
-#: the worker reads its control stream to the end once the data streams end (for up to 10 s).
+#: then the ABORT record with the reason) may wait for a worker behind on reading to make room:
+#: it reads its control stream to the end once the data streams end (for up to 10 s).
 ABORT_FLUSH_S = 10.0
 _IN = select.EPOLLIN | select.EPOLLRDHUP
 _OUT = select.EPOLLOUT
@@ -454,14 +460,11 @@ class Link:
 def _finish_abort(ctrl: socket.socket, unsent: list[bytes | memoryview], peer: str) -> None:
     """Write an aborted connection's last control records, then close it: on a thread of its
     own (rare: a failure meeting a worker behind on reading), so a slow worker never holds up
-    the loop's other connections; at most ABORT_FLUSH_S (a frozen worker never reads)."""
-    deadline = time.monotonic() + ABORT_FLUSH_S
+    the loop's other connections.  A write that waits ABORT_FLUSH_S for room gives up (a
+    frozen worker never reads)."""
     try:
-        for part in unsent:
-            view = memoryview(part)
-            while view:
-                ctrl.settimeout(max(0.001, deadline - time.monotonic()))
-                view = view[ctrl.send(view):]
+        ctrl.settimeout(ABORT_FLUSH_S)
+        send_all(ctrl, unsent)
         ctrl.shutdown(socket.SHUT_WR)
     except OSError as e:  # the worker went, or never read in time: it meets the end without the reason
         log.info("the reason for aborting %s did not reach it: %s", peer, e)

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from redsock import ops
 from redsock.bench import allreduce
 from redsock.bench.allreduce import local
+from redsock.bench.allreduce import rank as rank_mod
 from redsock.bench.procs import BoxCpu, box_cpu, cpu_shares
 
 
@@ -106,6 +108,7 @@ def test_tiled_inputs_and_references_follow_their_closed_form(dtype, op):
     (["--nprocs", "2", "--algo", "auto,warp"], "unknown --algo 'warp'"),
     (["--nprocs", "2", "-n", "0"], "need -n >= 1"),
     (["--nprocs", "2", "--peer", "mpi"], "--peer mpi times float32 sum with --back-to-back against one"),
+    (["--nprocs", "2", "--back-to-back", "--algo", "auto,mpi"], "--algo mpi needs processes that mpirun starts"),
 ])
 def test_launcher_refuses_bad_options_once_before_starting_ranks(argv, says):
     """One clear line from the launcher (exit 2), not one per rank after N interpreters started."""
@@ -114,6 +117,42 @@ def test_launcher_refuses_bad_options_once_before_starting_ranks(argv, says):
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [f"redsock: error: {p.stderr.split('error: ', 1)[1].strip()}"]
     assert says in p.stderr and "rank" not in p.stderr.replace("--nprocs", "")
+
+
+class _OneRank:
+    """The communicator calls the sweep's timing makes, for a world of one rank (its own
+    maximum is itself)."""
+
+    def barrier(self) -> None:
+        pass
+
+    def all_reduce(self, x, op, algorithm=None) -> None:
+        assert op == "max"
+
+
+def test_back_to_back_rounds_take_turns_so_every_implementation_meets_the_same_minutes():
+    """Each implementation's warm-up, then the rounds in turn, the order reversed every other
+    round (A B, B A, A B): a peer timed a whole sweep later meets another machine (its speed
+    changes up to 3x from one minute to the next here).  Each round's time is its calls'
+    total / calls, and only the timed calls count as the run's CPU time."""
+    calls: list[str] = []
+
+    def run(name: str, cost_s: float):
+        def fn(x):
+            calls.append(name)
+            time.sleep(cost_s)
+        return rank_mod._Run(name, fn, fn, np.zeros(1, np.float32))
+
+    timed = rank_mod.time_size([run("a", 0.002), run("b", 0.001)], warmup=2, iters=3, comm=_OneRank(),
+                               back_to_back=True)
+    rounds = [calls[i] for i in range(4, len(calls), 3)]  # (after 2 + 2 warm-up calls, blocks of 3)
+    assert calls[:4] == ["a", "a", "b", "b"] and len(calls) == 4 + 3 * 2 * rank_mod.B2B_ROUNDS
+    assert rounds == ["a", "b", "b", "a", "a", "b"] and all(calls[i:i + 3] == [calls[i]] * 3 for i in range(4, 22, 3))
+    (a_times, a_spent), (b_times, b_spent) = timed
+    assert len(a_times) == len(b_times) == rank_mod.B2B_ROUNDS
+    assert all(0.002 <= t < 0.02 for t in a_times) and all(0.001 <= t < 0.02 for t in b_times)
+    assert a_spent.wall_s >= 3 * 3 * 0.002 and b_spent.wall_s >= 3 * 3 * 0.001
+    assert a_spent.cpu_s < a_spent.wall_s  # (asleep, not computing)
 
 
 def test_cpu_shares_count_steal_as_busy_and_show_it_apart():
@@ -203,26 +242,36 @@ WAYS = r"(cma|arena)|(cma|arena):\d+%\+(cma|arena):\d+%"
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun: `make setup` installs Open MPI where it runs "
                     "as root with apt; elsewhere apt-get install openmpi-bin")
 def test_peer_mpi_puts_open_mpis_time_beside_redsocks(tmp_path):
-    """4 local ranks, then Open MPI's shared-memory all-reduce on the same sizes: one line per
-    size with both times (redsock's as its JSON row says), their ratio, the in-host path
-    (the whole buffer up to 128 KiB for 4 ranks, then sharded through the arena or one copy each
-    way by cross-memory attach, whichever has been faster lately) and
-    the machine's busy share while each was timed."""
+    """4 ranks that mpirun starts time redsock's and Open MPI's shared-memory all-reduce in
+    the same processes, round by round in turn: one line per size with both times (as their
+    JSON rows say), their ratio and its range over the rounds, the machine's busy share, and
+    the in-host path (the whole buffer up to 128 KiB for 4 ranks, then sharded through the
+    arena or one copy each way by cross-memory attach, whichever has been faster lately).
+    MPI's results are checked too (--check: 0 wrong)."""
     out = tmp_path / "rows.jsonl"
     r = subprocess.run([sys.executable, "-m", "redsock", "bench", "allreduce", "--nprocs", "4", "-b", "64K", "-e", "1M",
                         "-f", "4", "--algo", "auto", "--back-to-back", "-n", "20", "-w", "2", "--no-progress",
-                        "--peer", "mpi", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                        "--peer", "mpi", "--check", "--json", str(out)], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "REDSOCK_SHM_CMA": "auto"})
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = {row["bytes"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert "# check: 0 wrong elements over 6 rows" in r.stdout
+    rows: dict[str, dict[int, dict]] = {}
+    for row in map(json.loads, out.read_text().splitlines()):
+        rows.setdefault(row["impl"], {})[row["bytes"]] = row
+    assert sorted(rows) == ["mpi", "redsock"] and rows["mpi"].keys() == rows["redsock"].keys()
+    assert all(row["extra"]["inter"] == "vader" and len(row["extra"]["rounds_s"]) == 3 for row in rows["mpi"].values())
     table = r.stdout.split("redsock against Open MPI shared memory")[1].split("\n", 1)[1]
     lines = [line.split() for line in table.splitlines() if line and not line.startswith("#")]
-    assert [int(cells[0]) for cells in lines] == [65536, 262144, 1048576] == sorted(rows)
-    for size, ours, mpi, ratio, path, *busy in lines:
-        assert float(ours) == pytest.approx(rows[int(size)]["median_s"] * 1e6, abs=0.06)
+    assert [int(cells[0]) for cells in lines] == [65536, 262144, 1048576] == sorted(rows["redsock"])
+    for size, ours, mpi, ratio, spread, busy, steal, path in lines:
+        mine, theirs = rows["redsock"][int(size)], rows["mpi"][int(size)]
+        assert float(ours) == pytest.approx(mine["median_s"] * 1e6, abs=0.06)
+        assert float(mpi) == pytest.approx(theirs["median_s"] * 1e6, abs=0.06)
         assert float(ratio[:-1]) == pytest.approx(float(ours) / float(mpi), rel=0.01, abs=0.006)
+        pairs = [a / b for a, b in zip(mine["extra"]["rounds_s"], theirs["extra"]["rounds_s"])]
+        assert spread == f"{min(pairs):.2f}-{max(pairs):.2f}"
         # (from 256 KiB the calls go through the arena or by cross-memory attach, whichever has
         # been faster lately: one name, or both with their shares)
-        assert path == rows[int(size)]["extra"]["path"]
+        assert path == mine["extra"]["path"]
         assert path == "whole" if int(size) == 65536 else re.fullmatch(WAYS, path), path
-        assert all(0 <= float(b.strip("%,")) <= 100 for b in busy)
+        assert 0 <= float(busy[:-1]) <= 100 and 0 <= float(steal[:-1]) <= 100

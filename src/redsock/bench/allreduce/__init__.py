@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 from ...errors import ConfigError, RedsockError
 from .inputs import count_wrong, make_input, reference, reference_of, timing_input
@@ -38,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
 
         if args.nprocs < 1:
             raise ConfigError("--nprocs must be >= 1")
-        sweep(args)
+        algos = sweep(args)[2]
+        if "mpi" in algos and not getattr(args, "peer", None):
+            raise ConfigError("--algo mpi needs processes that mpirun starts: pass --peer mpi (and --algo without mpi)")
         argv = [a for a in sys.argv[1:]]
         # Re-run this same command in each rank, minus the launcher's own options.
         child = strip_options(argv, {"--nprocs": 1, "--timeout": 1, "--peer": 1})
@@ -47,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
         return launch_local(args.nprocs, child, args.timeout)
     if getattr(args, "peer", None):
         raise ConfigError("--peer needs --nprocs (the peer runs on this host with as many ranks)")
+    from .mpi_peer import adopt_mpi_ranks
+
+    adopt_mpi_ranks()  # (ranks that mpirun started: --peer mpi)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ConfigError("set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun does), or pass --nprocs N")
     try:
@@ -59,21 +63,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _with_peer(args: argparse.Namespace, child: list[str]) -> int:
-    """redsock's sweep, then Open MPI's on the same sizes, then both side by side."""
-    from ... import results as report
+    """The sweep with Open MPI's all-reduce beside redsock's ("mpi" added to ``--algo``), in
+    ranks that ``mpirun`` starts (:mod:`.mpi_peer`)."""
     from . import mpi_peer
-    from .local import launch_local, strip_options
-    from .rank import iters_for, sweep
+    from .local import strip_options
+    from .rank import sweep
 
-    dtype, op, algos, sizes = sweep(args)
-    if not args.back_to_back or dtype.name != "float32" or op.name != "SUM" or len(algos) != 1 or algos[0] == "gloo":
-        raise ConfigError("--peer mpi times float32 sum with --back-to-back against one redsock --algo")
-    with tempfile.TemporaryDirectory(prefix="redsock-peer-") as tmp:
-        json_path = args.json or os.path.join(tmp, "redsock.json")
-        code = launch_local(args.nprocs, [*strip_options(child, {"--json": 1}), "--json", json_path], args.timeout)
-        if code != 0:
-            return code
-        rows = report.read_json(json_path)
-    mpi = mpi_peer.run_peer([(n, *iters_for(n, args)) for n in sizes], args.nprocs, args.timeout)
-    print(mpi_peer.side_by_side(rows, mpi))
-    return 0
+    args.algo = f"{args.algo},mpi"
+    sweep(args)  # (refused here, once, rather than in every rank)
+    return mpi_peer.launch(args.nprocs, [*strip_options(child, {"--algo": 1}), "--algo", args.algo], args.timeout)

@@ -1,99 +1,138 @@
-"""``bench allreduce --peer mpi``: Open MPI's shared-memory all-reduce beside redsock's, same run.
+"""``bench allreduce --peer mpi``: Open MPI's shared-memory all-reduce beside redsock's, in the same processes.
 
-After the redsock ranks finish, the same sizes run under ``mpirun --mca btl vader,self``
-(Open MPI's shared-memory transport, mpi4py's ``Allreduce`` on float32), timed exactly as
-``--back-to-back`` times redsock: a barrier, ``-n`` back-to-back calls, the slowest rank's
-total / ``-n``, median of the same number of rounds, with the machine's busy and steal
-shares per size.  The timing loop is :func:`main`, which ``mpirun`` starts in every rank
-(``python -m redsock.bench.allreduce.mpi_peer``); it needs ``mpirun`` and ``mpi4py``
-(``apt-get install openmpi-bin libopenmpi-dev``, ``pip install mpi4py``).
+``--peer mpi`` starts the ranks with ``mpirun --mca btl vader,self`` (Open MPI's
+shared-memory transport, and the loopback to itself) instead of the local launcher; every
+rank joins redsock too (through a store the launcher hosts, as with ``--nprocs``), and
+the sweep times ``--algo``'s redsock all-reduce and mpi4py's ``Allreduce`` ("mpi") on the
+same ranks, round by round in turn (:func:`~.rank.time_size`): this machine's speed
+changes from one minute to the next (up to 3x, 2026-12-07), and a peer timed a sweep later
+meets another machine.  The same run, without the launcher, is
+``mpirun --allow-run-as-root --oversubscribe -np 4 --mca btl vader,self python -m redsock
+bench allreduce --back-to-back --algo auto,mpi`` with ``MASTER_ADDR``/``MASTER_PORT`` naming
+a store (:func:`adopt_mpi_ranks` takes the ranks from Open MPI's environment).
+
+MPI's calls are timed as ``../shared/anchors/mpi_allreduce.py`` times them: float32, out
+of place (``Allreduce(x, out)``; its result is checked in place).  Needs ``mpirun`` and
+mpi4py (``apt-get install openmpi-bin libopenmpi-dev``, ``pip install mpi4py``).
 """
 
 from __future__ import annotations
 
-import json
+import os
 import shutil
-import statistics
+import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterable
+from typing import Any
 
+import numpy as np
+
+from ... import ops
 from ...errors import ConfigError
-from ..procs import box_cpu, cpu_shares
-from .rank import B2B_ROUNDS
+from ..procs import stop_processes
 
 #: Open MPI's shared-memory transport (vader) and the loopback to itself; nothing else.
 MCA_SHM = ["--mca", "btl", "vader,self"]
+#: What the ranks need from the launcher's environment to find its store.
+_FORWARDED = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
 
 
-def run_peer(plan: Iterable[tuple[int, int, int]], nprocs: int, timeout_s: float) -> dict[int, dict]:
-    """Time Open MPI on ``plan`` ((bytes, warm-up, iterations) per size) with ``nprocs`` ranks:
-    one record per size (``median_s``, ``rounds_s``, ``machine_busy``, ``machine_steal``).
-    Raises :class:`ConfigError` when mpirun or mpi4py is missing or the run fails."""
+def adopt_mpi_ranks() -> bool:
+    """Where ``mpirun`` started this process and torchrun's variables are unset, take
+    ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` from Open MPI's; True if it did."""
+    if "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" not in os.environ:
+        return False
+    os.environ["RANK"] = os.environ["OMPI_COMM_WORLD_RANK"]
+    os.environ["WORLD_SIZE"] = os.environ["OMPI_COMM_WORLD_SIZE"]
+    os.environ["LOCAL_RANK"] = os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ["RANK"])
+    return True
+
+
+class MpiPeer:
+    """mpi4py's all-reduce on this rank (the peer ``--algo ...,mpi`` times beside redsock)."""
+
+    def __init__(self, rank: int, world: int):
+        try:
+            from mpi4py import MPI
+        except ImportError as e:
+            raise ConfigError("--algo mpi needs mpi4py (pip install mpi4py)") from e
+        self.MPI, self.comm = MPI, MPI.COMM_WORLD
+        if (self.comm.Get_rank(), self.comm.Get_size()) != (rank, world):
+            raise ConfigError(f"--algo mpi: this is rank {rank} of {world}, but MPI says rank "
+                              f"{self.comm.Get_rank()} of {self.comm.Get_size()}: start the ranks with "
+                              "mpirun (bench allreduce --peer mpi does)")
+        self._out: np.ndarray | None = None
+
+    def timed(self, x: np.ndarray) -> None:
+        """One out-of-place float32 sum, as the anchor times it (``x`` unchanged)."""
+        if self._out is None or self._out.shape != x.shape or self._out.dtype != x.dtype:
+            self._out = np.empty_like(x)
+        self.comm.Allreduce(x, self._out)
+
+    def all_reduce(self, x: np.ndarray, op: ops.ReduceOp) -> None:
+        """``x`` reduced in place (the check's call)."""
+        if op is not ops.ReduceOp.SUM or x.dtype != np.float32:
+            raise ConfigError("--algo mpi times float32 sum only")
+        self.comm.Allreduce(self.MPI.IN_PLACE, x)
+
+
+def launch(nprocs: int, argv: list[str], timeout_s: float) -> int:
+    """Run ``python -m redsock <argv>`` in ``nprocs`` ranks started by ``mpirun`` with
+    Open MPI's shared-memory transport, around a store hosted here (as :func:`.local.launch_local`
+    does), and wait at most ``timeout_s``: the exit status (mpirun stops every rank when one fails)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise ConfigError("--peer mpi needs mpirun (apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py)")
-    spec = ",".join(f"{b}:{w}:{n}" for b, w, n in plan)
-    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(nprocs), *MCA_SHM,
-           sys.executable, "-m", __name__, spec]
+    store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+           "TORCHELASTIC_USE_AGENT_STORE": "true"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # the ranks take theirs from Open MPI
+        env.pop(name, None)
+    forward = [arg for name in _FORWARDED for arg in ("-x", name)]
+    cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(nprocs), *MCA_SHM, *forward,
+           sys.executable, "-m", "redsock", *argv]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired as e:
-        raise ConfigError(f"--peer mpi: mpirun did not finish within {timeout_s:g}s") from e
-    records = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            records[r["bytes"]] = r
-    if done.returncode != 0 or not records:
-        raise ConfigError(f"--peer mpi: mpirun failed (status {done.returncode}): {done.stderr.strip()[-1500:]}")
-    return records
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"redsock: mpirun still running after {timeout_s:.0f}s; stopping it and its ranks", file=sys.stderr)
+        return 124
+    finally:
+        _stop_group(proc)
+        del store  # closes its server
 
 
-def side_by_side(rows: list, mpi: dict[int, dict]) -> str:
-    """The redsock rows (report.Row, one algorithm) and Open MPI's records by size: both
-    times, their ratio, the path redsock's in-host stage took, and the busy shares."""
-    out = ["# redsock against Open MPI shared memory (vader), the same sizes in the same run",
-           "#", "#       size    redsock   MPI shm   redsock/MPI  path    busy (redsock, MPI)  steal (redsock, MPI)",
+def _stop_group(proc: subprocess.Popen) -> None:
+    """mpirun (SIGTERM: it stops its ranks), then anything of its session still there."""
+    stop_processes([proc], grace_s=5.0)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def side_by_side(rows: list[Any]) -> str:
+    """The redsock rows and the MPI rows of one run (report.Row) by size: both times, their
+    ratio (with its range over the rounds, each round's pair timed one after the other), the
+    path redsock's in-host stage took, and the machine's busy and steal shares while the size
+    was timed (both, rounds in turn)."""
+    mpi = {r.bytes: r for r in rows if r.impl == "mpi"}
+    ours = [r for r in rows if r.impl == "redsock"]
+    out = ["# redsock against Open MPI shared memory (vader), the same sizes in the same processes, rounds in turn",
+           "#", "#       size    redsock   MPI shm   redsock/MPI  (rounds)   busy  steal  path",
            "#        (B)       (us)      (us)"]
-    for r in rows:
+    for r in ours:
         m = mpi.get(r.bytes)
         if m is None:
             continue
         extra = r.extra or {}
-        out.append(f"{r.bytes:>12}  {r.median_s * 1e6:>9.1f} {m['median_s'] * 1e6:>9.1f}  {r.median_s / m['median_s']:>9.2f}x"
-                   f"    {extra.get('path', extra.get('scheme', '-')):<6}  "
-                   f"{extra.get('machine_busy', float('nan')):>4.0%}, {m['machine_busy']:>4.0%}          "
-                   f"{extra.get('machine_steal', float('nan')):>4.0%}, {m.get('machine_steal', float('nan')):>4.0%}")
+        pairs = [a / b for a, b in zip(extra.get("rounds_s", ()), (m.extra or {}).get("rounds_s", ()))]
+        spread = f"{min(pairs):.2f}-{max(pairs):.2f}" if pairs else "-"
+        out.append(f"{r.bytes:>12}  {r.median_s * 1e6:>9.1f} {m.median_s * 1e6:>9.1f}  {r.median_s / m.median_s:>9.2f}x"
+                   f"  {spread:<9}  {extra.get('machine_busy', float('nan')):>4.0%}  "
+                   f"{extra.get('machine_steal', float('nan')):>4.0%}  {extra.get('path', extra.get('scheme', '-'))}")
     return "\n".join(out) + "\n"
-
-
-def main(argv: list[str]) -> None:
-    """The timing loop in every MPI rank; rank 0 prints one JSON line per size."""
-    import numpy as np
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    for item in argv[0].split(","):
-        nbytes, warm, iters = (int(v) for v in item.split(":"))
-        a = np.zeros(max(1, nbytes // 4), np.float32)
-        b = np.empty_like(a)
-        for _ in range(warm):
-            comm.Allreduce(a, b)
-        box0, per_call = box_cpu(), []
-        for _ in range(B2B_ROUNDS):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                comm.Allreduce(a, b)
-            per_call.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / iters)
-        busy, steal = cpu_shares(box0, box_cpu())
-        if comm.Get_rank() == 0:
-            print(json.dumps({"impl": "mpi", "world": comm.Get_size(), "bytes": nbytes,
-                              "median_s": statistics.median(per_call), "rounds_s": per_call,
-                              "machine_busy": round(busy, 3), "machine_steal": round(steal, 3)}), flush=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

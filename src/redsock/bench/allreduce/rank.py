@@ -14,7 +14,7 @@ import os
 import time
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from ..procs import BoxCpu, box_cpu, cpu_shares
 from .inputs import count_wrong, make_input, reference, timing_input, wire_errors, wire_input, wire_reference
 
 REDSOCK_ALGOS = ("auto", "ring", "small", "server", "hier")
+#: The peers timed beside redsock on the same ranks ("mpi" only in ranks mpirun started: --peer mpi).
+PEER_ALGOS = ("gloo", "mpi")
+_PEER_ROUTES = {"gloo": {"scheme": "flat", "inter": "ring"}, "mpi": {"scheme": "flat", "inter": "vader"}}
 CHECK_BLOCK = 1 << 22  # elements checked at a time
 
 
@@ -63,37 +66,72 @@ def _as_tensor(x: np.ndarray):
     return torch.from_numpy(x)
 
 
-def _time_algo(fn, x: np.ndarray, warmup: int, iters: int, comm, back_to_back: bool = False) -> list[float]:
-    for _ in range(warmup):
-        fn(x)
-    comm.barrier()
-    if back_to_back:
-        return _time_back_to_back(fn, x, iters, comm)
-    times = np.empty(iters)
-    for i in range(iters):
-        t0 = time.perf_counter()
-        fn(x)
-        times[i] = time.perf_counter() - t0
-    comm.all_reduce(times, "max", algorithm="small" if times.nbytes <= 65536 else "ring")  # the slowest rank counts
-    return times.tolist()
-
-
 B2B_ROUNDS = 3
 
 
-def _time_back_to_back(fn, x: np.ndarray, iters: int, comm) -> list[float]:
-    """Time per call of ``iters`` back-to-back calls (the slowest rank's total), once per
-    round after a barrier, as MPI benchmarks time latency: a rank that waits in one call
-    for a rank the scheduler paused is not counted twice over, as per-call maxima would."""
-    per_call = np.empty(B2B_ROUNDS)
+class _Run(NamedTuple):
+    """One implementation timed at one size: ``fn(x)`` is the timed call, ``check(x)`` the
+    call the check makes (the same, but for MPI's out-of-place call, checked in place)."""
+    algo: str
+    fn: Callable[[np.ndarray], object]
+    check: Callable[[np.ndarray], object]
+    x: np.ndarray
+
+
+class _Spent:
+    """This process's CPU and the wall time spent inside its ``with`` blocks, summed over
+    them (one implementation's rounds)."""
+
+    def __init__(self) -> None:
+        self.cpu_s = self.wall_s = 0.0
+
+    def __enter__(self) -> None:
+        self._start = (time.process_time(), time.perf_counter())
+
+    def __exit__(self, *exc: object) -> None:
+        self.cpu_s += time.process_time() - self._start[0]
+        self.wall_s += time.perf_counter() - self._start[1]
+
+
+def time_size(runs: list[_Run], warmup: int, iters: int, comm,
+              back_to_back: bool = False) -> list[tuple[list[float], _Spent]]:
+    """Each run's times at one size (seconds per call) and this process's CPU in its timing.
+
+    ``back_to_back``: per call, the slowest rank's total over ``iters`` back-to-back calls,
+    once per round after a barrier, as MPI benchmarks time latency (a rank that waits in one
+    call for a rank the scheduler paused is not counted twice over, as per-call maxima would);
+    the runs take :data:`B2B_ROUNDS` rounds in turn, the order reversed every other round, so
+    each implementation meets the machine's changing speed alike.  Otherwise: each call's
+    time, the slowest rank's, one run after the other."""
+    for run in runs:
+        for _ in range(warmup):
+            run.fn(run.x)
+    spent = [_Spent() for _ in runs]
+    if not back_to_back:
+        out = []
+        for run, used in zip(runs, spent):
+            comm.barrier()
+            times = np.empty(iters)
+            with used:
+                for i in range(iters):
+                    t0 = time.perf_counter()
+                    run.fn(run.x)
+                    times[i] = time.perf_counter() - t0
+            comm.all_reduce(times, "max", algorithm="small" if times.nbytes <= 65536 else "ring")
+            out.append((times.tolist(), used))
+        return out
+    per_call = np.empty((len(runs), B2B_ROUNDS))
     for k in range(B2B_ROUNDS):
-        comm.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn(x)
-        per_call[k] = (time.perf_counter() - t0) / iters
-    comm.all_reduce(per_call, "max", algorithm="small")
-    return per_call.tolist()
+        for i in (range(len(runs)) if k % 2 == 0 else reversed(range(len(runs)))):
+            fn, x = runs[i].fn, runs[i].x
+            comm.barrier()
+            with spent[i]:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn(x)
+                per_call[i, k] = (time.perf_counter() - t0) / iters
+    comm.all_reduce(per_call.reshape(-1), "max", algorithm="small")
+    return [(per_call[i].tolist(), spent[i]) for i in range(len(runs))]
 
 
 def _ranks_busy(comm, cpu_s: float, wall_s: float) -> float:
@@ -108,8 +146,9 @@ def _ranks_busy(comm, cpu_s: float, wall_s: float) -> float:
 
 def _machine_shares(comm, before: BoxCpu, after: BoxCpu) -> tuple[float, float]:
     """The shares of the whole machine's cores busy, and stolen by the hypervisor, while one
-    row was timed (rank 0's reading of /proc/stat, on every rank): unlike ``ranks_busy`` it
-    counts the reducers, the kernel's network work and anything else running."""
+    size was timed, every implementation's rounds in turn (rank 0's reading of /proc/stat, on
+    every rank; it counts in 10 ms ticks): unlike ``ranks_busy`` it counts the reducers, the
+    kernel's network work and anything else running."""
     shares = np.array(cpu_shares(before, after))
     comm.broadcast(shares, 0)
     return round(float(shares[0]), 3), round(float(shares[1]), 3)
@@ -129,38 +168,54 @@ def run_rank(args: argparse.Namespace) -> int:
     # The wire this run's redsock calls use: --wire-dtype, else REDSOCK_WIRE_DTYPE (float32 sum/avg only).
     wire = ops.wire_for(dtype, op, ops.wire_dtype(explicit or comm.config.wire_dtype), explicit is not None)
     gloo = _Gloo(store, rank, world, timeout) if "gloo" in algos else None
+    mpi = None
+    if "mpi" in algos:
+        from .mpi_peer import MpiPeer
+
+        mpi = MpiPeer(rank, world)
     rows = []
-    progress = SweepProgress(rank == 0 and not args.no_progress, len(sizes) * len(algos))
+    progress = SweepProgress(rank == 0 and not args.no_progress, len(sizes))
     try:
         for nbytes in sizes:
             count = nbytes // dtype.itemsize
+            runs = []
             for algo in algos:
                 fn: Callable[[np.ndarray], object]
+                check: Callable[[np.ndarray], object]
                 if algo == "gloo":
                     if gloo is None or op is ops.ReduceOp.AVG:  # (gloo is there whenever asked for)
                         continue
-                    fn = functools.partial(gloo.all_reduce, op=op)
+                    fn = check = functools.partial(gloo.all_reduce, op=op)
+                elif algo == "mpi":
+                    assert mpi is not None
+                    fn, check = mpi.timed, functools.partial(mpi.all_reduce, op=op)
                 else:
-                    fn = functools.partial(comm.all_reduce, op=op, algorithm=None if algo == "auto" else algo,
-                                           wire_dtype=explicit)
-                x = timing_input(count, dtype, op, rank)
-                warm, iters = iters_for(nbytes, args)
-                cpu0, wall0, box0 = time.process_time(), time.perf_counter(), box_cpu()
-                times = _time_algo(fn, x, warm, iters, comm, args.back_to_back)
-                busy = _ranks_busy(comm, time.process_time() - cpu0, time.perf_counter() - wall0)
-                machine, steal = _machine_shares(comm, box0, box_cpu())
-                on_wire = wire if algo != "gloo" else None
-                wrong, max_err = _check(fn, count, dtype, op, rank, world, comm, on_wire) if args.check else (-1, None)
-                how = route(comm, x, op, algo) if algo != "gloo" else {"scheme": "flat", "inter": "ring"}
+                    fn = check = functools.partial(comm.all_reduce, op=op, algorithm=None if algo == "auto" else algo,
+                                                   wire_dtype=explicit)
+                runs.append(_Run(algo, fn, check, timing_input(count, dtype, op, rank)))
+            warm, iters = iters_for(nbytes, args)
+            box0 = box_cpu()
+            timed = time_size(runs, warm, iters, comm, args.back_to_back)
+            machine, steal = _machine_shares(comm, box0, box_cpu())
+            for run, (times, spent) in zip(runs, timed):
+                algo = run.algo
+                busy = _ranks_busy(comm, spent.cpu_s, spent.wall_s)
+                on_wire = wire if algo in REDSOCK_ALGOS else None
+                wrong, max_err = (_check(run.check, count, dtype, op, rank, world, comm, on_wire) if args.check
+                                  else (-1, None))
+                how = route(comm, run.x, op, algo) if algo in REDSOCK_ALGOS else _PEER_ROUTES[algo]
                 extra: dict[str, Any] = {**how}
                 if on_wire is not None and extra["inter"] in ("server", "ring"):  # ("small" carries float32)
                     extra["wire_dtype"] = ops.WIRE_NAMES[on_wire]
                 if max_err is not None:
                     extra["max_rel_err"] = max_err
                 extra.update(ranks_busy=busy, machine_busy=machine, machine_steal=steal)
-                rows.append(report.Row.from_times("gloo" if algo == "gloo" else "redsock", algo, world, nbytes,
-                                                  count, dtype.name, op.name.lower(), times, wrong, extra=extra))
-                progress.advance(f"{algo} {nbytes} B")
+                if args.back_to_back:
+                    extra["rounds_s"] = [round(t, 9) for t in times]
+                impl = algo if algo in PEER_ALGOS else "redsock"
+                rows.append(report.Row.from_times(impl, algo, world, nbytes, count, dtype.name, op.name.lower(),
+                                                  times, wrong, extra=extra))
+            progress.advance(f"{nbytes} B")
     finally:
         progress.close()
         if gloo is not None:
@@ -170,6 +225,10 @@ def run_rank(args: argparse.Namespace) -> int:
         print(report.format_table(rows))
         if len({r.algo for r in rows}) > 1 and any(r.algo == "gloo" for r in rows):
             print(report.compare_table(rows, baseline_algo="gloo"))
+        if any(r.impl == "mpi" for r in rows):
+            from .mpi_peer import side_by_side
+
+            print(side_by_side(rows))
         if args.json:
             report.write_json(rows, args.json)
         if args.plot:
@@ -230,8 +289,11 @@ def sweep(args: argparse.Namespace) -> tuple[np.dtype, ops.ReduceOp, list[str], 
     op = ops.ReduceOp.parse(args.op)
     algos = [a.strip() for a in args.algo.split(",") if a.strip()]
     for a in algos:
-        if a not in REDSOCK_ALGOS + ("gloo",):
-            raise ConfigError(f"unknown --algo {a!r}; choose from {', '.join(REDSOCK_ALGOS + ('gloo',))}")
+        if a not in REDSOCK_ALGOS + PEER_ALGOS:
+            raise ConfigError(f"unknown --algo {a!r}; choose from {', '.join(REDSOCK_ALGOS + PEER_ALGOS)}")
+    if "mpi" in algos and (not args.back_to_back or dtype != np.float32 or op is not ops.ReduceOp.SUM
+                           or len([a for a in algos if a not in PEER_ALGOS]) != 1):
+        raise ConfigError("--peer mpi times float32 sum with --back-to-back against one redsock --algo")
     if args.iters < 1 or args.warmup < 0:
         raise ConfigError(f"need -n >= 1 and -w >= 0, got -n {args.iters} -w {args.warmup}")
     if getattr(args, "wire_dtype", None) is not None:  # asked for: refused where it cannot apply

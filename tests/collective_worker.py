@@ -499,6 +499,33 @@ def either_way(comm, rank, world):
         print(f"taken {dname} {n}: {taken}", flush=True)
 
 
+def ways_told_late(comm, rank, world):
+    """Local rank 0 is slow to write its word (as when the scheduler pauses it just after a
+    sync): the others wait for it at the call's last sync, and every rank takes the way it
+    told from the next call on.  A shape that goes through the arena or by cross-memory
+    attach, the other way tried every 3 calls: every call right, the same bits everywhere,
+    both ways taken."""
+    from redsock.collectives import hierarchy
+
+    hierarchy.PROBE_EVERY = 3
+    if rank == 0:
+        tell = comm.hier.local.tell
+
+        def late_tell(slot, word):
+            time.sleep(0.03)
+            tell(slot, word)
+        comm.hier.local.tell = late_tell
+    n, dt, op = 100_000, np.dtype(np.float32), ops.ReduceOp.SUM  # 400 KB: either way for 4 ranks
+    for call in range(40):
+        x = make_input(n, dt, op, rank, call)
+        comm.all_reduce(x)
+        assert count_wrong(x, reference(n, dt, op, world, call)) == 0, f"call {call}"
+        digest(x)
+    taken = comm.hier.path_taken(dt, n, op)
+    assert "arena" in taken and "cma" in taken, taken
+    print(f"taken {taken}", flush=True)
+
+
 def ways_differ(comm, rank, world):
     """Rank 1 takes the other way than the rest for one call (as a bug in how the ways are
     agreed would): every rank raises at the call's first sync, none mixes the ways' data."""

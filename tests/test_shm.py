@@ -79,6 +79,8 @@ def test_either_way_all_ranks_take_the_same_way_every_call():
     outs = run_world("either_way", 4, timeout=120)
     _check_world(outs, 4, least_digests=200)
     assert _arenas() <= before
+    outs = run_world("ways_told_late", 4, timeout=120)
+    _check_world(outs, 4, least_digests=40)
     outs = run_world("ways_differ", 3, timeout=60)
     for code, out, err in outs:
         assert code == 0 and out.rstrip().endswith("ok"), err[-2000:]

@@ -83,13 +83,22 @@ CMA_MIN_BYTES = 512 * KiB
 #: measured alike on a 2 MiB-L2 Xeon).
 CMA_PIECE_BYTES = 128 * KiB
 #: How long a wait spins (yielding the CPU) before it sleeps: about as long as the wait is
-#: expected to be.  Pieces of MiBs keep peers copying for milliseconds: spin briefly.  A small
-#: call waits only for the peers' Python overhead, and a sleep plus wake-up costs more than
-#: that on an oversubscribed machine (4 ranks, 2 cores, 8 B all-reduce at 50 / 500 / 2000 us
-#: of spin: 330 / 237 / 231 us per call, against gloo's 850-970 us in the same runs).
+#: expected to be.  Between hosts pieces of MiBs keep peers waiting on the network for
+#: milliseconds: spin briefly.  A small call waits only for the peers' Python overhead, and a
+#: sleep plus wake-up costs more than that on an oversubscribed machine (4 ranks, 2 cores, 8 B
+#: all-reduce at 50 / 500 / 2000 us of spin: 330 / 237 / 231 us per call, against gloo's
+#: 850-970 us in the same runs).
 SPIN_MAX_US = 50
 SPIN_SMALL_US = 2000
-CMA_SPIN_US = SPIN_SMALL_US
+#: The syncs of a single-host all-reduce in pieces (the arena's shards, cross-memory attach)
+#: wait for a peer's copies and reduction of a piece, a few hundred us where ranks share a
+#: core.  4 ranks on 2 cores, 2026-12-07, 6 rounds of 100 calls in turn in the same processes,
+#: 3 runs, the arena's syncs at 500 / 50 us of spin: 256 KiB 0.82-0.93x the time, 512 KiB
+#: 0.95-0.96x, 1 MiB 0.77-1.01x, 2 MiB 0.88x, 4 and 16 MiB 0.86x and 0.87x (at 2000 us,
+#: 0.80-0.96x at 256 KiB-2 MiB); cross-memory attach (512 KiB-16 MiB) at 500 / 2000 us 0.98-1.05x,
+#: at 50 / 2000 us 0.88-1.13x.  With other jobs on the cores (2026-12-04, load 6-15) the arena
+#: at 2000 us took 1.8-2.0x as long as at 50 (a spinner takes turns from them): 500 is between.
+SPIN_PIECE_US = 500
 #: Where both ways are open (one host, cross-memory attach allowed, above the whole-buffer
 #: size) the faster one is not a matter of size alone: it changes with the machine's state,
 #: from one minute to the next, and the arena's copies gain from a fast state where the
@@ -379,14 +388,14 @@ class Hierarchy:
             a, b = bounds[me]
             ops.copy(rows[me][:a], x[lo:lo + a])
             ops.copy(rows[me][b:], x[lo + b:hi])
-            g.sync(sig, timeout_s=timeout_s)
+            g.sync(sig, SPIN_PIECE_US, timeout_s)
             if sig is not None and plan.ways is not None and me == 0:
                 self._choose_way(plan.ways)
             sig = None
             inputs = [v[a:b] for v in rows]
             inputs[me] = x[lo + a:lo + b]
             plan.reduce(inputs, rows[me][a:b])
-            g.sync(None, timeout_s=timeout_s)
+            g.sync(None, SPIN_PIECE_US, timeout_s)
             for j, (a, b) in enumerate(bounds):
                 ops.copy(x[lo + a:lo + b], rows[j][a:b])
 
@@ -403,7 +412,7 @@ class Hierarchy:
         rows = self._cma_rows[:g.size * step * dt.itemsize].view(dt).reshape(g.size, step)
         peers = [lr for lr in range(g.size) if lr != me]
         g.publish(x)
-        g.sync(signature, CMA_SPIN_US, timeout_s)
+        g.sync(signature, SPIN_PIECE_US, timeout_s)
         if plan.ways is not None and me == 0:
             self._choose_way(plan.ways)
         for lo, hi, _ in plan.pieces:
@@ -414,7 +423,7 @@ class Hierarchy:
             out = plan.reduce(inputs, rows[me, :hi - lo])
             for lr in peers:
                 g.write_to(lr, lo * dt.itemsize, out)
-        g.sync(None, CMA_SPIN_US, timeout_s)
+        g.sync(None, SPIN_PIECE_US, timeout_s)
 
     def _all_reduce_whole(self, ctx: CallContext, x: np.ndarray, op: ops.ReduceOp,
                           wire_dtype: np.dtype | None = None) -> None:

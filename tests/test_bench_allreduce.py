@@ -245,7 +245,7 @@ def test_peer_mpi_puts_open_mpis_time_beside_redsocks(tmp_path):
     """4 ranks that mpirun starts time redsock's and Open MPI's shared-memory all-reduce in
     the same processes, round by round in turn: one line per size with both times (as their
     JSON rows say), their ratio and its range over the rounds, the machine's busy share, and
-    the in-host path (the whole buffer up to 128 KiB for 4 ranks, then sharded through the
+    the in-host path (the whole buffer up to 64 KiB for 4 ranks, then sharded through the
     arena or one copy each way by cross-memory attach, whichever has been faster lately).
     MPI's results are checked too (--check: 0 wrong)."""
     out = tmp_path / "rows.jsonl"

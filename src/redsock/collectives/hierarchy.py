@@ -61,14 +61,15 @@ PIPELINE_RAMP = 8
 #: Up to this size a multi-host all-reduce sends a single shard between hosts.
 WHOLE_MAX_BYTES = 64 * KiB
 #: A single-host all-reduce has every rank reduce the whole buffer from the arena (one
-#: synchronisation) while the L rows it reads, L x the buffer, fit in half the L2 cache (1 MiB
-#: per core here); larger ones are sharded (two synchronisations, :meth:`Hierarchy._reduce_sharded`).
-#: 4 ranks on 2 cores shared with other jobs (load 14-18), 100 back-to-back calls, 3 alternating
-#: rounds, whole / sharded by cross-memory attach: 64 KiB 131-658 / 866-3695 us, 128 KiB
-#: 915-1655 / 916-5417 us, 256 KiB 913-2295 / 878-7089 us, 1 MiB 4514-5534 / 6938-10747 us
-#: (a second sync costs most where the cores are oversubscribed, and the whole buffer's
-#: reduction once its rows leave the cache).
-WHOLE_ROWS_BYTES = 512 * KiB
+#: synchronisation) while the L rows it reads, L x the buffer, take at most WHOLE_ROWS_BYTES
+#: (and up to WHOLE_MAX_BYTES whatever L); larger ones are sharded (two synchronisations,
+#: :meth:`Hierarchy._reduce_sharded`).  4 ranks on 2 cores shared with other jobs (load 14-18),
+#: 100 back-to-back calls, 3 alternating rounds, whole / sharded by cross-memory attach: 64 KiB
+#: 131-658 / 866-3695 us, 128 KiB 915-1655 / 916-5417 us (a second sync costs most where the
+#: cores are oversubscribed).  Against the arena's shards, whose syncs spin SPIN_PIECE_US, 4
+#: ranks on 2 cores, 2026-12-07, 3 runs of 6 rounds of 200 calls in turn in the same processes,
+#: whole / arena: 64 KiB 85 / 117, 60 / 100, 154 / 155 us; 128 KiB 120 / 114, 111 / 95, 220 / 162.
+WHOLE_ROWS_BYTES = 256 * KiB
 #: From this size a single-host all-reduce starts by cross-memory attach where every local rank
 #: may (:meth:`Hierarchy._reduce_direct`; then the faster way lately, :data:`PROBE_EVERY`):
 #: below it the arena's copies cost less than the kernel's page pinning and system calls.

@@ -102,7 +102,8 @@ class Config:
     #: Large all-reduces on one host read and write the peers' buffers directly, one copy each
     #: way (Linux cross-memory attach, ``process_vm_readv``/``writev``): "auto" (where the kernel
     #: allows it; else through the arena) or "off" (through the shared arena, one copy more).
-    #: From 512 KiB (``hierarchy.CMA_MIN_BYTES``).  The gain depends on the CPU: 4 ranks on a
+    #: Above the whole-buffer size, whenever it has been faster than the arena lately, starting
+    #: so from 512 KiB (``hierarchy.CMA_MIN_BYTES``).  The gain depends on the CPU: 4 ranks on a
     #: 2-core Xeon, 16 MiB took 6.7-7.7 ms against the arena's 11.4-11.7; on a 2-core AMD EPYC
     #: the arena was as fast or faster (1 MiB 664 us against 1068, 2 MiB 1017 against 1841).
     shm_cma: str = "auto"

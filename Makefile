@@ -28,7 +28,7 @@ demo: setup
 # their settings, and the few deliberate exceptions, are in pyproject.toml.
 lint: setup
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/ruff check src
+	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy
 
 test: lint

@@ -99,6 +99,7 @@ def test_stopped_rank_is_detected_by_the_timeout():
     """SIGSTOP one rank mid-loop: the others raise PeerFailure naming it within timeout + 5 s."""
     import os
     import signal
+
     from torch.distributed import TCPStore
 
     world, timeout_s = 3, 5

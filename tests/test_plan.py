@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from redsock.results import Row
 from redsock.cli import main
 from redsock.config import SMALLEST_PIECE_BYTES
 from redsock.errors import ConfigError
-from redsock.plan import DEFAULT, Cluster, Profile, fewest_reducers, load_profile, predict, predict_all
-from redsock.plan import lab, model
+from redsock.plan import DEFAULT, Cluster, Profile, fewest_reducers, lab, load_profile, model, predict, predict_all
 from redsock.plan.command import make_plan, plot_scaling
+from redsock.results import Row
 from redsock.testbed import netns
 
 S = 64 << 20

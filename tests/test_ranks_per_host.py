@@ -21,15 +21,15 @@ from pathlib import Path
 
 import pytest
 
+from redsock import reproduce as R
 from redsock import results as report
 from redsock.bench import allreduce, ddp_testbed
 from redsock.bench.allreduce import testbed as allreduce_testbed
-from redsock import reproduce as R
-from redsock.reproduce import tables
 from redsock.bench.bounds import host_nic_factor
-from redsock.testbed.launch import rank_env, start_ranks, stop, wait_ranks
 from redsock.errors import ConfigError
+from redsock.reproduce import tables
 from redsock.testbed import RankSlot, Testbed, list_prefix_netns, place_ranks
+from redsock.testbed.launch import rank_env, start_ranks, stop, wait_ranks
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")
 MiB = 1 << 20

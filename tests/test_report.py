@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from redsock import results as R
-from redsock.results import Row
 from redsock.config import parse_size
 from redsock.errors import ConfigError
 from redsock.ops import ReduceOp
+from redsock.results import Row
 
 MiB = 1 << 20
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from redsock import results as report
 from redsock import reproduce as R
-from redsock.reproduce import tables
+from redsock import results as report
 from redsock.errors import ConfigError, RedsockError
+from redsock.reproduce import tables
 from redsock.testbed import cleanup_prefix, list_prefix_netns
 
 IS_ROOT = os.geteuid() == 0

@@ -14,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+
 from redsock.bench.procs import start_logged, stop_processes, wait_logged
 from redsock.errors import ConfigError
 from test_server import start_reducer

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from redsock.bench.procs import stop_processes
 from test_server import _log_text, _wait_until, start_reducer
 

@@ -167,8 +167,10 @@ def test_many_concurrent_tagged_messages_both_ways(make_pair):
 
     t1 = threading.Thread(target=run, args=(client, 1000, 2000))
     t2 = threading.Thread(target=run, args=(server, 2000, 1000))
-    t1.start(); t2.start()
-    t1.join(60); t2.join(60)
+    for t in (t1, t2):
+        t.start()
+    for t in (t1, t2):
+        t.join(60)
     assert not t1.is_alive() and not t2.is_alive()
     assert not errors, errors
 

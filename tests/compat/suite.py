@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import os
 
-from suite_env import GATE as _GATE, START as _START
+from suite_env import GATE as _GATE
+from suite_env import START as _START
 
 
 def _forkserver():

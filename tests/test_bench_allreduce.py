@@ -155,6 +155,23 @@ def test_back_to_back_rounds_take_turns_so_every_implementation_meets_the_same_m
     assert a_spent.cpu_s < a_spent.wall_s  # (asleep, not computing)
 
 
+def test_ranks_that_mpirun_started_take_their_rank_from_open_mpi(monkeypatch):
+    """Under mpirun (--peer mpi) a rank has Open MPI's variables, not torchrun's: it takes
+    RANK, WORLD_SIZE and LOCAL_RANK from them; torchrun's, where set, win."""
+    from redsock.bench.allreduce.mpi_peer import adopt_mpi_ranks
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert not adopt_mpi_ranks() and "RANK" not in os.environ  # (neither launcher)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    assert adopt_mpi_ranks()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("2", "4", "0")
+    monkeypatch.setenv("RANK", "1")
+    assert not adopt_mpi_ranks() and os.environ["RANK"] == "1"
+
+
 def test_cpu_shares_count_steal_as_busy_and_show_it_apart():
     """Steal (cycles the hypervisor gave other guests) is busy time (not ours to use: a run can
     be CPU-bound through it), and its share is reported apart; readings come from /proc/stat."""

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from redsock.bootstrap import FileStore, Topology, host_identity
+from redsock.collectives import hierarchy
 from redsock.errors import PeerFailure, Timeout, TransportError
 from redsock.transport.connection import RELAY_GRACE_S
 from redsock.transport.shm import LocalGroup
@@ -275,3 +276,69 @@ def test_no_arena_left_after_an_exception_or_close():
     for code, out, err in outs:
         assert code == 0 and out.rstrip().endswith("ok"), err[-2000:]
     assert _arenas() <= before
+
+
+class _Told:
+    """The arena's table of told words, as local rank 0 and its peers see it (one process)."""
+
+    def __init__(self):
+        self.words: dict[int, int] = {}
+
+    def tell(self, slot, word):
+        self.words[slot] = word
+
+    def told(self, slot):
+        return self.words.get(slot, 0)
+
+
+class _Rank0:
+    """Local rank 0's choice of way, on the table above."""
+    _choose_way = hierarchy.Hierarchy._choose_way
+    _tell = hierarchy.Hierarchy._tell
+
+    def __init__(self):
+        self.local = _Told()
+
+
+def _calls(per_way_s, n, start_way=1, first_cost_s=(0.0, 0.0)):
+    """``n`` calls of one shape as :meth:`Hierarchy._reduce_either` makes them, each way
+    costing ``per_way_s`` (seconds) and the first call after a change of way
+    ``first_cost_s`` more (the previous way's leftovers): the ways taken and the calls timed."""
+    rank0, w = _Rank0(), hierarchy._Ways(7, way=start_way)
+    ways, timed, previous = [], [], start_way
+    for _ in range(n):
+        said = rank0.local.told(w.ident % hierarchy.TOLD_SLOTS)
+        if said >> 1 == w.ident:
+            w.way = said & 1
+        rank0._choose_way(w)  # (between the call's syncs)
+        cost = per_way_s[w.way] + (first_cost_s[w.way] if w.way != previous else 0.0)
+        if w.timed:
+            w.times[w.way].append(cost)
+            timed.append(len(ways))
+        ways.append(w.way)
+        previous = w.way
+    return ways, timed
+
+
+def test_a_trial_takes_the_ways_in_pairs_and_times_the_second_call_of_each():
+    """Every PROBE_EVERY calls (first at the FIRST_TRIAL_AFTER-th) local rank 0 tries the
+    other way: the two ways in turn, two calls at a time, only the second of each pair timed
+    (the first pays what the previous way left over); the calls move only if the other way's
+    best beat this one's by SWITCH_MARGIN."""
+    k, start = hierarchy.TRIAL_CALLS, hierarchy.FIRST_TRIAL_AFTER - 1  # (the trial's first call, on the way in use)
+    judged = start + 4 * k + 1  # (the call after the trial, back on the way in use)
+    # cross-memory attach (1) in use; the arena (0) 20% faster, but its first call after a
+    # change pays cross-memory attach's leftovers (as the arena's copies out would the other way)
+    ways, timed = _calls((0.8, 1.0), judged + 5, first_cost_s=(0.5, 0.5))
+    assert ways[:start + 1] == [1] * (start + 1)
+    assert ways[start + 1:judged] == [0, 0, 1, 1] * k
+    assert timed == list(range(start + 2, judged, 2))  # the second of each pair
+    assert ways[judged:] == [1, 0, 0, 0, 0]  # the arena from the call after the judging one
+    # 5% faster is within the margin: the calls stay; 15% slower: they stay too
+    for other in (0.95, 1.15):
+        ways, _ = _calls((other, 1.0), judged + 5)
+        assert ways[judged:] == [1] * 5
+    # and the next trial PROBE_EVERY calls later
+    again = judged + hierarchy.PROBE_EVERY
+    ways, _ = _calls((2.0, 1.0), again + 3)
+    assert set(ways[judged:again + 1]) == {1} and ways[again + 1:] == [0, 0]

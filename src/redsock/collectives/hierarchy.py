@@ -107,10 +107,20 @@ SPIN_PIECE_US = 500
 #: 100 back-to-back calls, arena / cross-memory attach: 1 MiB 1021 / 636 us, 931 / 522, 275 / 518;
 #: 2 MiB 1977 / 1017, 1852 / 1246, 563 / 967 (docs/benchmarks/lab-log.md).
 #: So local rank 0 times each shape's calls both ways and the calls take the faster
-#: (:meth:`Hierarchy._choose_way`): after PROBE_EVERY calls on one way it tries the other, and
-#: moves whenever one way's best of its last two calls is SWITCH_MARGIN of the other's.
-PROBE_EVERY = 100
+#: (:meth:`Hierarchy._choose_way`): every PROBE_EVERY calls a trial takes the two ways in
+#: turn, two calls at a time (the first of each pair pays for what the previous way left to
+#: the ranks after its last sync, the arena's copies out: only the second is timed), TRIAL_CALLS
+#: timed calls each, and the calls move to the other way if its best is SWITCH_MARGIN of this
+#: one's.  In turn, because the machine's speed changes by more than the ways differ: a way
+#: tried after the other (best of 2 against the other's last 2) met another moment, and the
+#: calls took the slower way 7-37% of the time at 256 KiB-2 MiB, 1.08-1.45x the time of the
+#: faster way alone (2026-12-07, 4 ranks, rounds in turn in the same processes).
+PROBE_EVERY = 200
 SWITCH_MARGIN = 0.9
+TRIAL_CALLS = 3
+#: The first trial of a shape starts with its FIRST_TRIAL_AFTER-th call (a few calls first warm
+#: the caches and fault in the pages).
+FIRST_TRIAL_AFTER = 8
 #: Flips a bit of a call's signature check on the cross-memory-attach way: local ranks that
 #: took different ways for one call (a bug) fail at its first sync instead of mixing data.
 _WAY_MARK = 0x8000
@@ -142,15 +152,18 @@ class _Ways:
     rank 0 times.  Two shapes whose numbers share a slot may overwrite each other's word: the
     number in it tells, and the overwritten shape keeps its way (everywhere alike).  No lock:
     only the call that holds the arena's turn (:meth:`Hierarchy.in_turn`) reads or changes it."""
-    __slots__ = ("ident", "plans", "way", "taken", "since", "times")
+    __slots__ = ("ident", "plans", "way", "taken", "since", "times", "trial", "incumbent", "timed")
 
     def __init__(self, ident: int, way: int):
         self.ident = ident  # this shape's number, the same on every local rank (shapes are prepared in call order)
         self.plans: tuple[_Plan, ...] = ()
         self.way = way  # 0: the arena, 1: cross-memory attach
         self.taken = [0, 0]  # this shape's calls each way
-        self.since = 0  # calls since the way last changed
-        self.times = (deque(maxlen=2), deque(maxlen=2))  # local rank 0: its last two calls' times each way
+        self.since = PROBE_EVERY - FIRST_TRIAL_AFTER  # local rank 0: calls since the last trial
+        self.times = (deque(maxlen=TRIAL_CALLS), deque(maxlen=TRIAL_CALLS))  # local rank 0: each way's times in the trial
+        self.trial = 0  # local rank 0: this call's number in the trial under way (0: none)
+        self.incumbent = way  # local rank 0: the way the calls took before it
+        self.timed = False  # local rank 0: this call's time counts in the trial
 
     def describe(self) -> str:
         """The ways the calls took, e.g. "cma" or "cma:97%+arena:3%"."""
@@ -345,28 +358,45 @@ class Hierarchy:
         w, g = plan.ways, self.local
         assert w is not None
         said = g.told(w.ident % TOLD_SLOTS)
-        if said >> 1 == w.ident and said & 1 != w.way:
-            w.way, w.since = said & 1, 0
+        if said >> 1 == w.ident:
+            w.way = said & 1
         way = w.way
         w.taken[way] += 1
         sub = w.plans[way]
         t0 = time.perf_counter()
         sub.run(sub, x, signature ^ (_WAY_MARK * way), timeout_s)
-        if not g.me:
+        if w.timed:  # (local rank 0, in a trial)
             w.times[way].append(time.perf_counter() - t0)
 
     def _choose_way(self, w: _Ways) -> None:
         """Local rank 0, between a call's first and last sync: the way of this shape's next
-        call (written only to change it: a word that another shape overwrote is written again
-        at this shape's next call)."""
-        cur, other = w.way, 1 - w.way
-        w.since += 1
-        mine, theirs = w.times[cur], w.times[other]
-        if len(mine) == 2 and len(theirs) == 2 and min(theirs) < SWITCH_MARGIN * min(mine):
-            self.local.tell(w.ident % TOLD_SLOTS, w.ident << 1 | other)
-        elif w.since >= PROBE_EVERY:  # try the other way again: its old times are stale
-            theirs.clear()
-            self.local.tell(w.ident % TOLD_SLOTS, w.ident << 1 | other)
+        call, written only to change it (:data:`PROBE_EVERY`).  A trial's calls 1 to 4 x
+        TRIAL_CALLS take the other way and this one in turn, two at a time, the second of each
+        pair timed; they end on this one, and call 4 x TRIAL_CALLS + 1, which sees every time,
+        keeps the calls here unless the other way's best was SWITCH_MARGIN of this one's."""
+        i = w.trial
+        if not i:
+            w.since += 1
+            if w.since >= PROBE_EVERY:
+                w.since, w.incumbent, w.trial = 0, w.way, 1
+                for times in w.times:
+                    times.clear()
+                self._tell(w, 1 - w.way)
+            return
+        last = 4 * TRIAL_CALLS
+        if i <= last:
+            w.trial, w.timed = i + 1, i % 2 == 0
+            nxt = w.incumbent if i == last or i // 2 % 2 else 1 - w.incumbent  # (call i + 1's pair)
+            if nxt != w.way:
+                self._tell(w, nxt)
+            return
+        w.trial, w.timed = 0, False
+        challenger = 1 - w.incumbent
+        if w.times[0] and w.times[1] and min(w.times[challenger]) < SWITCH_MARGIN * min(w.times[w.incumbent]):
+            self._tell(w, challenger)  # (both timed, unless another shape's word took this one's slot)
+
+    def _tell(self, w: _Ways, way: int) -> None:
+        self.local.tell(w.ident % TOLD_SLOTS, w.ident << 1 | way)
 
     def _reduce_whole_here(self, plan: _Plan, x: np.ndarray, signature: int, timeout_s: float) -> None:
         """One host, a small buffer: every rank copies it in, and reduces all of them alike."""

@@ -112,9 +112,10 @@ SPIN_PIECE_US = 500
 #: the ranks after its last sync, the arena's copies out: only the second is timed), TRIAL_CALLS
 #: timed calls each, and the calls move to the other way if its best is SWITCH_MARGIN of this
 #: one's.  In turn, because the machine's speed changes by more than the ways differ: a way
-#: tried after the other (best of 2 against the other's last 2) met another moment, and the
-#: calls took the slower way 7-37% of the time at 256 KiB-2 MiB, 1.08-1.45x the time of the
-#: faster way alone (2026-12-07, 4 ranks, rounds in turn in the same processes).
+#: tried after the other (best of 2 against the other's last 2) met another moment, the slower
+#: way took 7-37% of the calls at 256 KiB-2 MiB, and the calls through the API took 1.17-1.61x
+#: the time of the faster way alone (2026-12-07, 4 ranks, rounds in turn in the same processes;
+#: the API's own cost is 10-25 us of that at 256 KiB).
 PROBE_EVERY = 200
 SWITCH_MARGIN = 0.9
 TRIAL_CALLS = 3

@@ -10,6 +10,18 @@ from redsock.config import Config
 from redsock.transport import Listener, connect
 
 TESTS = Path(__file__).parent
+#: What a launcher (torchrun, mpirun) tells a rank: the tests' child processes inherit the
+#: environment, and one left set makes every later rank join another world (it hung a
+#: Lightning run once).
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_variable_left_behind():
+    before = {name: os.environ.get(name) for name in LAUNCHER_VARIABLES}
+    yield
+    after = {name: os.environ.get(name) for name in LAUNCHER_VARIABLES}
+    assert after == before, f"the test left the launcher's variables changed: {before} -> {after}"
 
 
 @pytest.fixture

@@ -161,7 +161,10 @@ def test_ranks_that_mpirun_started_take_their_rank_from_open_mpi(monkeypatch):
     from redsock.bench.allreduce.mpi_peer import adopt_mpi_ranks
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK"):
-        monkeypatch.delenv(name, raising=False)
+        # (set first, so that monkeypatch puts back what was there: adopt_mpi_ranks writes
+        # os.environ itself, and a RANK left behind would make later tests' ranks join a world of 4)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     assert not adopt_mpi_ranks() and "RANK" not in os.environ  # (neither launcher)
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")

@@ -94,10 +94,10 @@ SPIN_SMALL_US = 2000
 #: The syncs of a single-host all-reduce in pieces (the arena's shards, cross-memory attach)
 #: wait for a peer's copies and reduction of a piece, a few hundred us where ranks share a
 #: core.  4 ranks on 2 cores, 2026-12-07, 6 rounds of 100 calls in turn in the same processes,
-#: 3 runs, the arena's syncs at 500 / 50 us of spin: 256 KiB 0.82-0.93x the time, 512 KiB
-#: 0.95-0.96x, 1 MiB 0.77-1.01x, 2 MiB 0.88x, 4 and 16 MiB 0.86x and 0.87x (at 2000 us,
-#: 0.80-0.96x at 256 KiB-2 MiB); cross-memory attach (512 KiB-16 MiB) at 500 / 2000 us 0.98-1.05x,
-#: at 50 / 2000 us 0.88-1.13x.  With other jobs on the cores (2026-12-04, load 6-15) the arena
+#: the arena's syncs at 500 / 50 us of spin (2 runs): 256 KiB 0.82-0.93x the time, 512 KiB
+#: 0.95-0.96x, 1 MiB 0.77-1.01x, 2 MiB 0.88x, and 4 and 16 MiB 0.86x and 0.87x (1 run); at 2000 /
+#: 50 us 0.80-0.96x at 256 KiB-2 MiB (3 runs); cross-memory attach (512 KiB-16 MiB, 1 run) at
+#: 500 / 2000 us 0.98-1.05x, at 50 / 2000 us 0.96-1.09x (0.88-1.13x in another run).  With other jobs on the cores (2026-12-04, load 6-15) the arena
 #: at 2000 us took 1.8-2.0x as long as at 50 (a spinner takes turns from them): 500 is between.
 SPIN_PIECE_US = 500
 #: Where both ways are open (one host, cross-memory attach allowed, above the whole-buffer

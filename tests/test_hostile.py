@@ -158,9 +158,18 @@ def test_job_identity_is_bound_to_the_connection():
 
 def test_a_piece_beyond_its_announce_cuts_the_connection():
     """A piece sent on its own for a call whose only piece here rides in its announce is one
-    too many: the reducer cuts the connection instead of summing either."""
+    too many: the reducer cuts the connection instead of summing either, and the announce
+    joins no round.  The reducer tells the worker before it clears a dropped link's job (it
+    is held up here for 0.5 s, as a loaded machine once did): a round that the bad announce
+    had made would still be there when the worker's call fails."""
     cfg = Config(timeout_s=10, token=TOKEN)
     with ReductionServer("127.0.0.1", 0, config=cfg) as server:
+        on_lost = server.on_lost
+
+        def slow_on_lost(link, err):
+            time.sleep(0.5)
+            on_lost(link, err)
+        server.on_lost = slow_on_lost
         c = connect(server.address, config=cfg, name="extra")
         try:
             c.send(np.ones(4, np.float32), wire.piece_tag(0, 0), timeout=5)  # ahead of its announce

@@ -185,6 +185,18 @@ class ReductionServer:
         elif link.identity != (ann.job, ann.rank):  # identity is bound to the (authenticated) connection
             raise ProtocolError(f"{link.peer} is job {link.identity[0]:#x} rank {link.identity[1]} but "
                                 f"announced job {ann.job:#x} rank {ann.rank}")
+        mine = ann.my_pieces()
+        inline = len(payload) > wire.ANNOUNCE_SIZE  # the call's only piece here came along
+        if inline and len(mine) != 1:
+            raise ProtocolError(f"{link.peer} sent a piece with announce #{ann.op_seq}, "
+                                f"which has {len(mine)} pieces here")
+        # Pieces that overtook their announce (on the data streams, or sent ahead of it): more
+        # than it has here on its own is refused before it joins a round, so a call broken so
+        # leaves nothing behind (the link's early pieces go back to the pool when it is dropped).
+        early = [t for t in link.early if _op_seq(t) == ann.op_seq] if link.early else []
+        if len(early) > (0 if inline else len(mine)):
+            raise ProtocolError(f"{link.peer} sent more pieces of all-reduce #{ann.op_seq} "
+                                f"than its announce has here")
         rnd = self._round(ann)
         if rnd is None:
             # The job ended here a moment ago: whoever ended it tells its links why, but this
@@ -193,22 +205,11 @@ class ReductionServer:
                 why = self._ended.get(ann.job, f"reduction server: job {ann.job:#x} was aborted")
             link.abort(why)
             raise TransportError(f"job {ann.job:#x} ended", op="round")
-        mine = ann.my_pieces()
-        inline = len(payload) > wire.ANNOUNCE_SIZE  # the call's only piece here came along
-        if inline and len(mine) != 1:
-            raise ProtocolError(f"{link.peer} sent a piece with announce #{ann.op_seq}, "
-                                f"which has {len(mine)} pieces here")
         entry = None if inline else _Pending(rnd, len(mine))
         if entry is not None:
             link.pending[ann.op_seq] = entry
-        if link.early:  # pieces that overtook their announce (they came on the data streams)
-            for tag in [t for t in link.early if _op_seq(t) == ann.op_seq]:
-                buf = link.early.pop(tag)
-                if entry is None or entry.left == 0:
-                    self.pool.give(buf)
-                    raise ProtocolError(f"{link.peer} sent more pieces of all-reduce #{ann.op_seq} "
-                                        f"than its announce has here")
-                self._piece_of(link, ann.op_seq, entry, tag, buf)
+            for tag in early:
+                self._piece_of(link, ann.op_seq, entry, tag, link.early.pop(tag))
         if inline:  # summed where it lies (the piece copies it only if it must wait for its turn)
             piece = np.frombuffer(payload, np.uint8, len(payload) - wire.ANNOUNCE_SIZE, wire.ANNOUNCE_SIZE)
             self._contribute(link, rnd, mine[0], piece, borrowed=True)

@@ -156,6 +156,16 @@ def test_job_identity_is_bound_to_the_connection():
             c.close()
 
 
+def _slow_on_lost(server):
+    """The reducer's handling of a dropped link held up for 0.5 s (as a loaded machine does)."""
+    on_lost = server.on_lost
+
+    def slow_on_lost(link, err):
+        time.sleep(0.5)
+        on_lost(link, err)
+    server.on_lost = slow_on_lost
+
+
 def test_a_piece_beyond_its_announce_cuts_the_connection():
     """A piece sent on its own for a call whose only piece here rides in its announce is one
     too many: the reducer cuts the connection instead of summing either, and the announce
@@ -164,12 +174,7 @@ def test_a_piece_beyond_its_announce_cuts_the_connection():
     had made would still be there when the worker's call fails."""
     cfg = Config(timeout_s=10, token=TOKEN)
     with ReductionServer("127.0.0.1", 0, config=cfg) as server:
-        on_lost = server.on_lost
-
-        def slow_on_lost(link, err):
-            time.sleep(0.5)
-            on_lost(link, err)
-        server.on_lost = slow_on_lost
+        _slow_on_lost(server)
         c = connect(server.address, config=cfg, name="extra")
         try:
             c.send(np.ones(4, np.float32), wire.piece_tag(0, 0), timeout=5)  # ahead of its announce
@@ -186,9 +191,11 @@ def test_a_piece_beyond_its_announce_cuts_the_connection():
 
 def test_a_worker_that_breaks_the_protocol_is_told_why():
     """A piece of the wrong size: the reducer cuts the connection, and the worker's error
-    carries the reducer's reason, not just "peer closed the connection"."""
+    carries the reducer's reason, not just "peer closed the connection".  By then the job's
+    round is gone (the reducer clears a dropped link's job first; held up here for 0.5 s)."""
     cfg = Config(timeout_s=10, token=TOKEN)
     with ReductionServer("127.0.0.1", 0, config=cfg) as server:
+        _slow_on_lost(server)
         c = connect(server.address, config=cfg, name="sloppy")
         try:
             _announce(c, job=444, rank=0)  # 4 float32 in one piece, world 2

@@ -536,12 +536,14 @@ class Loop:
             except (OSError, ValueError):
                 pass
         if err is not None:
-            if isinstance(err, ProtocolError):  # the worker broke the protocol: tell it how before cutting it off
-                link.abort(f"the reduction server refused what it was sent: {err}")
+            # The handler first (it clears the link's job and tells the job's other workers), so
+            # that what a worker sees once it learns of the failure is already so.
             try:
                 link.handler.on_lost(link, link.error or err)
             except Exception:  # a bug in the handler must not take the loop down
                 log.exception("while dropping %s", link.peer)
+            if isinstance(err, ProtocolError):  # the worker broke the protocol: tell it how before cutting it off
+                link.abort(f"the reduction server refused what it was sent: {err}")
         link.close()
 
     def _run(self) -> None:

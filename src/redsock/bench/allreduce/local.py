@@ -11,19 +11,24 @@ import time
 from ..procs import stop_processes
 
 
-def launch_local(nprocs: int, argv: list[str], timeout_s: float) -> int:
-    """Start ``nprocs`` ranks on this machine, like torchrun --nproc-per-node, and wait."""
+def host_store(timeout_s: float) -> tuple[object, dict[str, str]]:
+    """The ranks' store, hosted here on a port the kernel picked, as torchrun's agent hosts it
+    (a port found free and closed again for rank 0 to bind could be taken in between), and
+    the variables that lead a rank to it.  The store's server lives as long as the object."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
-    # The ranks' store lives here, on a port the kernel picked, as torchrun's agent hosts it: a
-    # port found free and closed again for rank 0 to bind could be taken in between.
     store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    return store, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "true"}
+
+
+def launch_local(nprocs: int, argv: list[str], timeout_s: float) -> int:
+    """Start ``nprocs`` ranks on this machine, like torchrun --nproc-per-node, and wait."""
+    store, to_store = host_store(timeout_s)
     procs = []
     for r in range(nprocs):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(r),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "true"}
+        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(r), **to_store}
         procs.append(subprocess.Popen([sys.executable, "-m", "redsock", *argv], env=env))
     deadline = time.monotonic() + timeout_s
     codes: list[int | None] = [None] * nprocs

@@ -33,8 +33,6 @@ from ..procs import stop_processes
 
 #: Open MPI's shared-memory transport (vader) and the loopback to itself; nothing else.
 MCA_SHM = ["--mca", "btl", "vader,self"]
-#: What the ranks need from the launcher's environment to find its store.
-_FORWARDED = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
 
 
 def adopt_mpi_ranks() -> bool:
@@ -80,19 +78,16 @@ def launch(nprocs: int, argv: list[str], timeout_s: float) -> int:
     """Run ``python -m redsock <argv>`` in ``nprocs`` ranks started by ``mpirun`` with
     Open MPI's shared-memory transport, around a store hosted here (as :func:`.local.launch_local`
     does), and wait at most ``timeout_s``: the exit status (mpirun stops every rank when one fails)."""
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
+    from .local import host_store
 
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise ConfigError("--peer mpi needs mpirun (apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py)")
-    store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
-           "TORCHELASTIC_USE_AGENT_STORE": "true"}
+    store, to_store = host_store(timeout_s)
+    env = {**os.environ, **to_store}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # the ranks take theirs from Open MPI
         env.pop(name, None)
-    forward = [arg for name in _FORWARDED for arg in ("-x", name)]
+    forward = [arg for name in to_store for arg in ("-x", name)]
     cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(nprocs), *MCA_SHM, *forward,
            sys.executable, "-m", "redsock", *argv]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)

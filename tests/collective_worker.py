@@ -532,7 +532,7 @@ def ways_differ(comm, rank, world):
     x = np.ones(1 << 20, np.float32)
     comm.all_reduce(x)  # (prepares the shape)
     if rank == 1:
-        plan = comm.hier.plan_of(x, ops.ReduceOp.SUM)
+        plan = comm.hier.plans[x.dtype, x.size, ops.ReduceOp.SUM]
         plan.ways.way ^= 1
         plan.ways.ident = -1  # (the word local rank 0 said for this shape would set it back)
     try:

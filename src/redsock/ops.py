@@ -168,18 +168,19 @@ class ReduceOp(enum.Enum):
         """
         if isinstance(op, cls):
             return op
-        found = _OP_OF_NAME.get(op) if isinstance(op, str) else None  # ("sum": no strip, no lower)
+        found = OP_OF_NAME.get(op) if isinstance(op, str) else None  # ("sum": no strip, no lower)
         if found is not None:
             return found
         name = op if isinstance(op, str) else getattr(op, "name", None)
         if isinstance(name, str):
-            found = _OP_OF_NAME.get(name.strip().lower())
+            found = OP_OF_NAME.get(name.strip().lower())
             if found is not None:
                 return found
         raise ConfigError(f"unsupported reduction op {op!r}; supported: sum, avg, min, max, prod")
 
 
-_OP_OF_NAME: dict[str, ReduceOp] = {
+#: The ops by their names as :meth:`ReduceOp.parse` takes them first (exact, lower case).
+OP_OF_NAME: dict[str, ReduceOp] = {
     **{op.name.lower(): op for op in ReduceOp}, "mean": ReduceOp.AVG, "product": ReduceOp.PROD,
 }
 _OP_OF_CODE: dict[int, ReduceOp] = {op.value: op for op in ReduceOp}
@@ -280,13 +281,14 @@ def _check_pair(acc: np.ndarray, x: np.ndarray, what: str) -> None:
 #: the ufunc's cost (4 x 64 KiB: 29-37 us against 65 us).
 _PAGE = 4096
 _ALIASED_BELOW = 64
-_ALIAS_MIN_BYTES = 128 * 1024
+#: Below this many bytes :func:`copy` is a plain copy.
+ALIAS_MIN_BYTES = 128 * 1024
 
 
 def copy(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src``, bit for bit, without memcpy's page-aliased slow case: an aliased
     pair of contiguous same-dtype arrays is copied by a ufunc loop over their bytes."""
-    if (dst.nbytes >= _ALIAS_MIN_BYTES and dst.dtype == src.dtype and dst.shape == src.shape
+    if (dst.nbytes >= ALIAS_MIN_BYTES and dst.dtype == src.dtype and dst.shape == src.shape
             and dst.flags.c_contiguous and src.flags.c_contiguous
             and 0 < (dst.ctypes.data - src.ctypes.data) % _PAGE < _ALIASED_BELOW):
         np.positive(src.reshape(-1).view(np.uint8), out=dst.reshape(-1).view(np.uint8))
@@ -445,9 +447,17 @@ def _row_reducer(dtype: np.dtype, op: ReduceOp, n: int,
         def reduce(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
             result = _combine_into(ufunc, rows, out, own)
             return finalize(result, op, n, result)
-    else:
+    elif own is not None:
         def reduce(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
             return _combine_into(ufunc, rows, out, own)
+    else:  # _combine_into's steps, with nothing left to decide per row (out positional: cheaper)
+        def reduce(rows: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+            if len(rows) == 1:
+                return _combine_into(ufunc, rows, out)
+            ufunc(rows[0], rows[1], out)
+            for row in rows[2:]:
+                ufunc(out, row, out)
+            return out
     return reduce
 
 

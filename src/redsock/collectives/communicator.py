@@ -145,9 +145,11 @@ class Communicator:
         here = self._here
         if here is not None and type(array) is np.ndarray and not (async_op or algorithm or wire_dtype):
             # A synchronous call of a shape this host ran before, in the fewest Python steps
-            # (after each process switch every step runs cache-cold): its plan was made after
-            # the checks below, so only the array's layout is left to check.
-            plan = here.plan_of(array, ops.ReduceOp.parse(op))
+            # (after each process switch every step runs cache-cold, several times its warm
+            # cost): its plan was made after the checks below, so only the array's layout is
+            # left to check.  (An unknown name finds no plan: the checks below refuse it.)
+            plan = here.plans.get((array.dtype, array.size,
+                                   ops.OP_OF_NAME.get(op) if type(op) is str else ops.ReduceOp.parse(op)))
             if plan is not None:
                 flags = array.flags
                 if flags.c_contiguous and flags.writeable:
@@ -402,14 +404,20 @@ class Communicator:
         with self._seq_lock:  # every rank numbers its calls the same way: the tag is the call number
             seq = self._seq
             self._seq += 1
-            return seq, self.hier.ticket() if shared else -1
+            return seq, next(self.hier.tickets) if shared else -1
 
     def _all_reduce_here(self, x: np.ndarray, plan: Any) -> None:
         """A synchronous all-reduce on one host by its prepared ``plan``:
         :meth:`Hierarchy.all_reduce_here`, with none of :meth:`_run`'s call context (it says why)."""
-        seq, ticket = self._number_call(shared=True)
+        if self._closed or self._failure is not None:
+            self._check_usable()
+        hier = self.hier
+        with self._seq_lock:  # (_number_call's, inline: a call costs more than these lines)
+            seq = self._seq
+            self._seq = seq + 1
+            ticket = next(hier.tickets)
         try:
-            self.hier.all_reduce_here(ticket, plan, x, seq, timeout_for_call(self.config.timeout_s))
+            hier.all_reduce_here(ticket, plan, x, seq, timeout_for_call(self.config.timeout_s))
         except RedsockError as e:
             raise self._failed("all_reduce", seq, e) from e
 

@@ -144,6 +144,8 @@ class LocalGroup:
         self.region_bytes = -(-region_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
         self.timeout_s, self.spin_s = timeout_s, spin_us / 1e6
         self.step = 0  # the last step this rank arrived at (the same sequence on every local rank)
+        self._line = local_rank * _LINE_WORDS  # this rank's words in the header
+        self._sleeping_on_me = local_rank + 1  # a sleep word's value while its rank waits for this one
         self._half = 0
         self._closed = False
         nbytes = HEADER_BYTES + DATA_SKEW + 2 * self.size * self.region_bytes
@@ -338,20 +340,21 @@ class LocalGroup:
         ``spin_us``: how long to spin before sleeping; ``timeout_s``: how long to wait for
         the others (defaults: the group's).
         """
-        self.step += 1
-        w = self._words
-        sig_word = 1 + self.step % 2
+        # (Every line counts: a small collective is little more than this, and runs cold after
+        # the process switch of an oversubscribed host.)
+        step = self.step = self.step + 1
+        w, line = self._words, self._line
         if signature is not None:
-            w[self.me * _LINE_WORDS + sig_word] = signature
-        w[self.me * _LINE_WORDS] = self.step
+            w[line + 1 + step % 2] = signature  # (two signature words, by the step's parity)
+        w[line] = step
         with self._fence:  # a locked instruction orders the store above before the loads below
             pass
-        if self.me + 1 in self._sleeps:
+        if self._sleeping_on_me in self._sleeps:
             _futex_wake(self._step_addr[self.me])
-        if min(self._steps) < self.step:
-            self._wait(self.step, self.spin_s if spin_us is None else spin_us / 1e6, timeout_s or self.timeout_s)
+        if min(self._steps) < step:
+            self._wait(step, self.spin_s if spin_us is None else spin_us / 1e6, timeout_s or self.timeout_s)
         if signature is not None:
-            if self._signatures[sig_word - 1].tolist().count(signature) != self.size:
+            if self._signatures[step % 2].tolist().count(signature) != self.size:
                 raise ProtocolError(f"rank {self.ranks[self.me]}: the ranks of this host called different "
                                     "collectives (the ranks called different collectives, or with different "
                                     "dtype, size or op)", peer="local ranks", op="shared-memory collective")
@@ -364,10 +367,12 @@ class LocalGroup:
         now = time.monotonic()
         spin_end, deadline = now + spin_s, now + timeout_s
         steps = self._steps
-        while time.monotonic() < spin_end:
+        while True:  # (yield first: sync has just looked)
+            os.sched_yield()
             if min(steps) >= step:
                 return
-            os.sched_yield()
+            if time.monotonic() >= spin_end:
+                break
         w = self._words
         sleep_word = self.me * _LINE_WORDS + _SLEEP
         graced = False

@@ -379,6 +379,31 @@ def shm_checks_after_a_plan(comm, rank, world):
         raise AssertionError("a closed communicator reduced")
 
 
+def late_ranks_copy_the_result(comm, rank, world):
+    """Small all-reduces on one host, each with fresh data, one rank late in turn (it then
+    reduces, and the others, woken, copy the result it left in the arena) or none: integers
+    exact, floats the same bits on every rank, at sizes up to the largest that shares its
+    result, and above it, up to the largest the whole path takes."""
+    from redsock.collectives.hierarchy import SHARED_RESULT_MAX_BYTES
+
+    assert comm.hier is not None and comm.hier.nhosts == 1
+    sizes = (1, 100, SHARED_RESULT_MAX_BYTES // 8, SHARED_RESULT_MAX_BYTES // 8 + 1, comm.hier.whole_max_bytes // 8)
+    assert comm.hier.local_path(sizes[-1] * 8) == "whole"
+    rng = np.random.default_rng(rank)
+    for i in range(100):
+        n = sizes[i % len(sizes)]
+        if i % (world + 1) == rank:
+            time.sleep(0.003)
+        x = np.arange(n, dtype=np.int64) * (i + 1) + 1000 * rank + i
+        comm.all_reduce(x)
+        want = np.arange(n, dtype=np.int64) * (i + 1) * world + 1000 * sum(range(world)) + i * world
+        assert np.array_equal(x, want), (i, n, x[:4], want[:4])
+        y = rng.standard_normal(n).astype(np.float32)
+        comm.all_reduce(y)
+        digest(y)
+    print("ok", flush=True)
+
+
 def raises(comm, rank, world):
     comm.all_reduce(np.ones(10, np.float32))
     raise RuntimeError("the training script fails")

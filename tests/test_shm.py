@@ -62,6 +62,18 @@ def test_every_op_and_dtype_through_shared_memory(world):
     assert _arenas() <= before
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_that_pass_a_small_sync_late_copy_the_result_left_for_them(world):
+    """The whole-buffer path: the first ranks past the sync reduce and leave the result in
+    the arena, the later ones copy it; with a rank late in turn and fresh data every call, every
+    result is exact and the same bits everywhere (a stale or torn result would show)."""
+    outs = run_world("late_ranks_copy_the_result", world, timeout=120)
+    for r, (code, out, err) in enumerate(outs):
+        assert code == 0 and out.rstrip().endswith("ok"), f"rank {r}:\n{err[-3000:]}"
+    assert all(digests(out) == digests(outs[0][1]) for _, out, _ in outs)
+    assert len(digests(outs[0][1])) == 100
+
+
 @pytest.mark.parametrize("env", [{"REDSOCK_SHM_CMA": "off"}, {"TEST_REFUSE_CMA": "2", "REDSOCK_SHM_CMA": "auto"}], ids=["off", "refused"])
 def test_large_all_reduces_go_through_the_arena_without_cross_memory_attach(env):
     """Switched off, or refused by one rank's kernel (every rank then agrees on the arena):
@@ -166,6 +178,27 @@ def _pair(tmp_path, timeout_s):
     make(0)
     t.join(30)
     return made[0], made[1]
+
+
+def test_the_result_region_is_shared_and_apart_from_every_ranks_regions(tmp_path):
+    """LocalGroup.result: what one rank leaves there (and the step it wrote), the other reads,
+    and no rank's regions (either half, filled to the end) overlap it."""
+    a, b = _pair(tmp_path, timeout_s=30)
+    try:
+        n = a.region_bytes // 8
+        for g in (a, b):
+            for half in (0, 1):
+                g.rows(half, np.dtype(np.int64), n)[g.me] = 100 * g.me + half
+        a.result(np.dtype(np.int64), n)[:] = np.arange(n)
+        a.result_step[0] = a.step
+        assert b.result_step[0] == b.step == a.step
+        assert np.array_equal(b.result(np.dtype(np.int64), n), np.arange(n))
+        for g in (a, b):
+            for half in (0, 1):
+                assert (g.rows(half, np.dtype(np.int64), n) == np.array([[half], [100 + half]])).all()
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_local_rank_busy_elsewhere_is_given_the_relay_grace_before_it_is_blamed(tmp_path):

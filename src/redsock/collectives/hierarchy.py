@@ -100,6 +100,15 @@ SPIN_SMALL_US = 2000
 #: 500 / 2000 us 0.98-1.05x, at 50 / 2000 us 0.96-1.09x (0.88-1.13x in another run).  With other jobs on the cores (2026-12-04, load 6-15) the arena
 #: at 2000 us took 1.8-2.0x as long as at 50 (a spinner takes turns from them): 500 is between.
 SPIN_PIECE_US = 500
+#: Up to this size a single-host whole-buffer all-reduce is reduced by the first ranks past its
+#: sync, and the others copy their result from the arena (:meth:`LocalGroup.result`), where a
+#: call costs about its fixed steps: 4 ranks on 2 cores, about half the calls copy (each core's
+#: first rank past the sync reduces).  8 rounds of back-to-back calls in turn, 2026-12-07,
+#: sharing the result against every rank reducing: 8 B 13.6-20.8 us against 14.8-22.4 (6 runs),
+#: 1 KiB 14.8-24.7 against 15.1-26.7 (4 runs), 4-8 KiB 19.3-31.6 against 22.5-31.0 (4 runs), and
+#: slower from 16 KiB (38-59 us against 38-53) to 64 KiB (122-151 against 108-132): there the
+#: copy of a result another core has just written costs more than the reduction it saves.
+SHARED_RESULT_MAX_BYTES = 4 * KiB
 #: Where both ways are open (one host, cross-memory attach allowed, above the whole-buffer
 #: size) the faster one is not a matter of size alone: it changes with the machine's state,
 #: from one minute to the next, and the arena's copies gain from a fast state where the
@@ -142,6 +151,7 @@ class _Plan(NamedTuple):
     pieces: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]  # arena: (lo, hi, every rank's shard)
     # of each piece; cross-memory attach: (lo, hi, ()) of this rank's shard's pieces
     ways: _Ways | None = None  # where both ways are open: both, and which one the calls take
+    result: np.ndarray | None = None  # whole: the arena's result region (LocalGroup.result)
 
 
 class _Ways:
@@ -339,8 +349,10 @@ class Hierarchy:
         rows: tuple = ()
         pieces: tuple = ()
         run: Callable[[_Plan, np.ndarray, int, float], None]
+        result = None
         if path == "whole":
             run, rows = self._reduce_whole_here, tuple(tuple(g.rows(half, dt, n)) for half in (0, 1))
+            result = g.result(dt, n) if n * dt.itemsize <= SHARED_RESULT_MAX_BYTES else None
         elif path == "arena":
             run = self._reduce_sharded
             pieces = tuple((lo, hi, tuple(partition(hi - lo, g.size)))
@@ -351,7 +363,7 @@ class Hierarchy:
             pieces = tuple((lo, hi, ()) for lo, hi in chunks(a, b, max(1, CMA_PIECE_BYTES // dt.itemsize)))
         # (cross-memory attach: the result over this rank's own input, where it goes)
         reduce = ops.row_reducer(dt, op, self.world, own=g.me if path == "cma" else None)
-        return _Plan(run, check, reduce, rows, pieces, ways)
+        return _Plan(run, check, reduce, rows, pieces, ways, result)
 
     def _reduce_either(self, plan: _Plan, x: np.ndarray, signature: int, timeout_s: float) -> None:
         """One host, where the arena and cross-memory attach are both open: the way local
@@ -400,15 +412,29 @@ class Hierarchy:
         self.local.tell(w.ident % TOLD_SLOTS, w.ident << 1 | way)
 
     def _reduce_whole_here(self, plan: _Plan, x: np.ndarray, signature: int, timeout_s: float) -> None:
-        """One host, a small buffer: every rank copies it in, and reduces all of them alike."""
+        """One host, a small buffer: every rank copies it in and reduces all of them alike, but
+        for the smallest (:data:`SHARED_RESULT_MAX_BYTES`, ``plan.result``), where the first
+        ranks past the sync reduce and leave the result in the arena, and the others copy it."""
         g = self.local
         rows = plan.rows[g.next_half()]
-        if x.nbytes < ops.ALIAS_MIN_BYTES:  # (:func:`ops.copy`'s, inline: its call costs more than the copy)
+        inline = x.nbytes < ops.ALIAS_MIN_BYTES  # (:func:`ops.copy`'s test, inline: its call costs more than the copy)
+        if inline:
             rows[g.me][...] = x
         else:
             ops.copy(rows[g.me], x)
         g.sync(signature, SPIN_SMALL_US, timeout_s)
+        result = plan.result
+        if result is None:
+            plan.reduce(rows, x)
+            return
+        done = g.result_step
+        if done[0] == g.step:
+            x[...] = result
+            return
         plan.reduce(rows, x)
+        if done[0] != g.step:  # (else another core's rank was quicker: its lines stay unshared)
+            result[...] = x
+            done[0] = g.step
 
     def _reduce_sharded(self, plan: _Plan, x: np.ndarray, signature: int, timeout_s: float) -> None:
         """One host, piece by piece through the arena: each rank copies its piece into its

@@ -7,7 +7,8 @@ exit (normal, exception or kill -9) leaves anything behind.
 Layout: a header with one cache line per local rank (its step counter and the signature of
 its current call) and a failure note, then, from half a page further (``DATA_SKEW``), two
 halves of ``region_bytes`` per local rank (a collective alternates between the halves, so a
-rank may write its next piece while its peers still read the previous one).
+rank may write its next piece while its peers still read the previous one), then one region
+of ``region_bytes`` for a result any rank may leave for the others (:meth:`LocalGroup.result`).
 
 Synchronisation is by step counters: :meth:`LocalGroup.sync` sets this rank's counter to the
 next step and waits until every local rank's counter has reached it.  Waiting spins briefly,
@@ -59,7 +60,8 @@ MAX_LOCAL_RANKS = 48
 TOLD_SLOTS = MAX_LOCAL_RANKS
 _FAIL_WORD = MAX_LOCAL_RANKS * _LINE_WORDS  # 1 once a rank wrote its failure note
 _NOTE_LEN_WORD = _FAIL_WORD + 1
-_NOTE_OFFSET = (_NOTE_LEN_WORD + 1) * 8
+_RESULT_STEP_WORD = _NOTE_LEN_WORD + 1  # the step whose result the result region holds
+_NOTE_OFFSET = (_RESULT_STEP_WORD + 1) * 8
 HEADER_BYTES = 4096
 #: The regions start half a page past a page boundary: buffers that numpy, torch or the pools
 #: allocate start within a few bytes of one, and copies between two addresses a few bytes
@@ -148,8 +150,9 @@ class LocalGroup:
         self._sleeping_on_me = local_rank + 1  # a sleep word's value while its rank waits for this one
         self._half = 0
         self._closed = False
-        nbytes = HEADER_BYTES + DATA_SKEW + 2 * self.size * self.region_bytes
-        self._views: dict[tuple[int, np.dtype, int], np.ndarray] = {}  # rows() of recent calls
+        self._result_offset = HEADER_BYTES + DATA_SKEW + 2 * self.size * self.region_bytes
+        nbytes = self._result_offset + self.region_bytes
+        self._views: dict[tuple[int, np.dtype, int], np.ndarray] = {}  # rows() and result() of recent calls
         self._pidfds: dict[int, int] = {}
         self._pids = tuple(pids)
         try:
@@ -178,6 +181,8 @@ class LocalGroup:
             self._steps = self._words[0:self.size * _LINE_WORDS:_LINE_WORDS]
             self._signatures = [self._words[w:self.size * _LINE_WORDS:_LINE_WORDS] for w in (1, 2)]
             self._sleeps = self._words[_SLEEP:self.size * _LINE_WORDS:_LINE_WORDS]
+            #: ``result_step[0]``: the step whose result :meth:`result`'s region holds (0: none yet).
+            self.result_step = self._words[_RESULT_STEP_WORD:_RESULT_STEP_WORD + 1]
             self.sync()  # every rank has mapped the arena (and its pidfds) before anyone relies on it
             self.cma = self._probe_cma(cma)
         except BaseException:
@@ -330,6 +335,22 @@ class LocalGroup:
                                                  strides=(2 * self.region_bytes, dtype.itemsize))
         return view
 
+    def result(self, dtype: np.dtype, count: int) -> np.ndarray:
+        """The result region's first ``count`` elements, viewed as ``dtype``: between a sync
+        and its next one, a rank that computed what every local rank computes alike from what
+        they all wrote before it (the same bits) may leave it there and then write the sync's
+        step (:attr:`step`) into :attr:`result_step`; a peer that reads that step there, in the
+        same interval, may copy the result instead of computing it (x86 orders the stores).  Two
+        ranks may write it at once: the same bytes.  No rank writes it for a later step before
+        every rank has arrived there, so done with this one's."""
+        key = (-1, dtype, count)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= _VIEWS_KEPT:
+                self._views.clear()
+            view = self._views[key] = np.ndarray((count,), dtype, buffer=self._mm, offset=self._result_offset)
+        return view
+
     # -- synchronisation ---------------------------------------------------------------
 
     def sync(self, signature: int | None = None, spin_us: int | None = None, timeout_s: float | None = None) -> None:
@@ -434,7 +455,7 @@ class LocalGroup:
         self._pidfds = {}
         if hasattr(self, "_words"):
             self._views.clear()
-            for view in (self._steps, self._sleeps, *self._signatures):
+            for view in (self._steps, self._sleeps, *self._signatures, self.result_step):
                 view.release()
             self._words.release()
             del self._bytes

@@ -252,8 +252,11 @@ class Hierarchy:
     def _end_turn(self, ticket: int) -> None:
         self._next = ticket + 1
         if self._waiting:  # (the lock and notify cost a small call a microsecond or two)
-            with self._turn:
-                self._turn.notify_all()
+            self._notify_turn()
+
+    def _notify_turn(self) -> None:
+        with self._turn:
+            self._turn.notify_all()
 
     def inter_algorithm(self, nbytes: int) -> str:
         """The algorithm this rank's inter-host group picks for one shard of an ``nbytes``
@@ -323,7 +326,7 @@ class Hierarchy:
         finally:
             self._next = ticket + 1  # (:meth:`_end_turn`'s, inline)
             if self._waiting:
-                self._end_turn(ticket)
+                self._notify_turn()
 
     def plan(self, x: np.ndarray, op: ops.ReduceOp) -> _Plan:
         """The single-host all-reduce of ``x``'s shape with ``op``, prepared on its first call

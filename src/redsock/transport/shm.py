@@ -152,7 +152,7 @@ class LocalGroup:
         self._closed = False
         self._result_offset = HEADER_BYTES + DATA_SKEW + 2 * self.size * self.region_bytes
         nbytes = self._result_offset + self.region_bytes
-        self._views: dict[tuple[int, np.dtype, int], np.ndarray] = {}  # rows() and result() of recent calls
+        self._views: dict[tuple[int, np.dtype, int], np.ndarray] = {}  # rows() of recent calls
         self._pidfds: dict[int, int] = {}
         self._pids = tuple(pids)
         try:
@@ -342,14 +342,8 @@ class LocalGroup:
         step (:attr:`step`) into :attr:`result_step`; a peer that reads that step there, in the
         same interval, may copy the result instead of computing it (x86 orders the stores).  Two
         ranks may write it at once: the same bytes.  No rank writes it for a later step before
-        every rank has arrived there, so done with this one's."""
-        key = (-1, dtype, count)
-        view = self._views.get(key)
-        if view is None:
-            if len(self._views) >= _VIEWS_KEPT:
-                self._views.clear()
-            view = self._views[key] = np.ndarray((count,), dtype, buffer=self._mm, offset=self._result_offset)
-        return view
+        every rank has arrived there, so done with this one's.  (A new view: callers keep it.)"""
+        return np.ndarray((count,), dtype, buffer=self._mm, offset=self._result_offset)
 
     # -- synchronisation ---------------------------------------------------------------
 

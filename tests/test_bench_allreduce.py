@@ -107,8 +107,11 @@ def test_tiled_inputs_and_references_follow_their_closed_form(dtype, op):
     (["--nprocs", "2", "-d", "complex64"], "unsupported dtype 'complex64'"),
     (["--nprocs", "2", "--algo", "auto,warp"], "unknown --algo 'warp'"),
     (["--nprocs", "2", "-n", "0"], "need -n >= 1"),
+    (["--nprocs", "2", "--back-to-back", "--rounds", "0"], "need --rounds >= 1"),
     (["--nprocs", "2", "--peer", "mpi"], "--peer mpi times float32 sum with --back-to-back against one"),
     (["--nprocs", "2", "--back-to-back", "--algo", "auto,mpi"], "--algo mpi needs processes that mpirun starts"),
+    (["--nprocs", "2", "--algo", "auto,gloo,auto"], "--algo names 'auto' twice"),
+    (["--nprocs", "2", "--sizes-in-turn"], "--sizes-in-turn takes turns between --back-to-back rounds"),
 ])
 def test_launcher_refuses_bad_options_once_before_starting_ranks(argv, says):
     """One clear line from the launcher (exit 2), not one per rank after N interpreters started."""
@@ -130,21 +133,21 @@ class _OneRank:
         assert op == "max"
 
 
+def _recording_run(calls: list[str], name: str, cost_s: float):
+    def fn(x):
+        calls.append(name)
+        time.sleep(cost_s)
+    return rank_mod._Run(name, fn, fn, np.zeros(1, np.float32))
+
+
 def test_back_to_back_rounds_take_turns_so_every_implementation_meets_the_same_minutes():
     """Each implementation's warm-up, then the rounds in turn, the order reversed every other
     round (A B, B A, A B): a peer timed a whole sweep later meets another machine (its speed
     changes up to 3x from one minute to the next here).  Each round's time is its calls'
     total / calls, and only the timed calls count as the run's CPU time."""
     calls: list[str] = []
-
-    def run(name: str, cost_s: float):
-        def fn(x):
-            calls.append(name)
-            time.sleep(cost_s)
-        return rank_mod._Run(name, fn, fn, np.zeros(1, np.float32))
-
-    timed = rank_mod.time_size([run("a", 0.002), run("b", 0.001)], warmup=2, iters=3, comm=_OneRank(),
-                               back_to_back=True)
+    size = rank_mod._Sized(8, [_recording_run(calls, "a", 0.002), _recording_run(calls, "b", 0.001)], 2, 3)
+    ((timed, ticks),) = rank_mod.time_in_turn([size], comm=_OneRank())
     rounds = [calls[i] for i in range(4, len(calls), 3)]  # (after 2 + 2 warm-up calls, blocks of 3)
     assert calls[:4] == ["a", "a", "b", "b"] and len(calls) == 4 + 3 * 2 * rank_mod.B2B_ROUNDS
     assert rounds == ["a", "b", "b", "a", "a", "b"] and all(calls[i:i + 3] == [calls[i]] * 3 for i in range(4, 22, 3))
@@ -153,6 +156,24 @@ def test_back_to_back_rounds_take_turns_so_every_implementation_meets_the_same_m
     assert all(0.002 <= t < 0.02 for t in a_times) and all(0.001 <= t < 0.02 for t in b_times)
     assert a_spent.wall_s >= 3 * 3 * 0.002 and b_spent.wall_s >= 3 * 3 * 0.001
     assert a_spent.cpu_s < a_spent.wall_s  # (asleep, not computing)
+    assert ticks.total >= ticks.busy >= ticks.steal >= 0
+
+
+def test_sizes_in_turn_time_every_size_in_each_round():
+    """--sizes-in-turn: every size's warm-up, then each round visits every size (and at each
+    size every implementation, in the order of that round): a slow minute falls on every size
+    alike, so half a size's time against the next is measured over the same minutes."""
+    calls: list[str] = []
+    small = rank_mod._Sized(8, [_recording_run(calls, "a8", 0.001), _recording_run(calls, "b8", 0.001)], 1, 2)
+    large = rank_mod._Sized(16, [_recording_run(calls, "a16", 0.002), _recording_run(calls, "b16", 0.002)], 1, 2)
+    timed = rank_mod.time_in_turn([small, large], comm=_OneRank(), rounds=3)
+    assert calls[:4] == ["a8", "b8", "a16", "b16"]  # (the warm-ups)
+    blocks = [calls[i] for i in range(4, len(calls), 2)]
+    assert blocks == ["a8", "b8", "a16", "b16", "b8", "a8", "b16", "a16", "a8", "b8", "a16", "b16"]
+    assert all(calls[i] == calls[i + 1] for i in range(4, len(calls), 2))
+    (small_runs, _), (large_runs, _) = timed
+    assert all(len(t) == 3 for t, _ in small_runs + large_runs)
+    assert all(0.001 <= t < 0.02 for t in small_runs[0][0]) and all(0.002 <= t < 0.02 for t in large_runs[1][0])
 
 
 def test_ranks_that_mpirun_started_take_their_rank_from_open_mpi(monkeypatch):
@@ -261,17 +282,21 @@ WAYS = r"(cma|arena)|(cma|arena):\d+%\+(cma|arena):\d+%"
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun: `make setup` installs Open MPI where it runs "
                     "as root with apt; elsewhere apt-get install openmpi-bin")
-def test_peer_mpi_puts_open_mpis_time_beside_redsocks(tmp_path):
+@pytest.mark.parametrize("algo, order", [("auto", []), ("auto,mpi", ["--sizes-in-turn"])],
+                         ids=["size-after-size", "sizes-in-turn"])
+def test_peer_mpi_puts_open_mpis_time_beside_redsocks(tmp_path, algo, order):
     """4 ranks that mpirun starts time redsock's and Open MPI's shared-memory all-reduce in
     the same processes, round by round in turn: one line per size with both times (as their
     JSON rows say), their ratio and its range over the rounds, the machine's busy share, and
     the in-host path (the whole buffer up to 64 KiB for 4 ranks, then sharded through the
     arena or one copy each way by cross-memory attach, whichever has been faster lately).
-    MPI's results are checked too (--check: 0 wrong)."""
+    MPI's results are checked too (--check: 0 wrong).  The same with the sizes in turn, and
+    with "mpi" in --algo already (timed once, not twice)."""
     out = tmp_path / "rows.jsonl"
     r = subprocess.run([sys.executable, "-m", "redsock", "bench", "allreduce", "--nprocs", "4", "-b", "64K", "-e", "1M",
-                        "-f", "4", "--algo", "auto", "--back-to-back", "-n", "20", "-w", "2", "--no-progress",
-                        "--peer", "mpi", "--check", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                        "-f", "4", "--algo", algo, "--back-to-back", "-n", "20", "-w", "2", "--no-progress",
+                        "--peer", "mpi", "--check", "--json", str(out), *order], capture_output=True, text=True,
+                       timeout=300,
                        env={**os.environ, "REDSOCK_SHM_CMA": "auto"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "# check: 0 wrong elements over 6 rows" in r.stdout

@@ -69,6 +69,7 @@ def _with_peer(args: argparse.Namespace, child: list[str]) -> int:
     from .local import strip_options
     from .rank import sweep
 
-    args.algo = f"{args.algo},mpi"
+    if "mpi" not in (a.strip() for a in args.algo.split(",")):
+        args.algo = f"{args.algo},mpi"
     sweep(args)  # (refused here, once, rather than in every rank)
     return mpi_peer.launch(args.nprocs, [*strip_options(child, {"--algo": 1}), "--algo", args.algo], args.timeout)

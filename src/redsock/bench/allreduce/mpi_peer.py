@@ -4,7 +4,7 @@
 shared-memory transport, and the loopback to itself) instead of the local launcher; every
 rank joins redsock too (through a store the launcher hosts, as with ``--nprocs``), and
 the sweep times ``--algo``'s redsock all-reduce and mpi4py's ``Allreduce`` ("mpi") on the
-same ranks, round by round in turn (:func:`~.rank.time_size`): this machine's speed
+same ranks, round by round in turn (:func:`~.rank.time_in_turn`): this machine's speed
 changes from one minute to the next (up to 3x, 2026-12-07), and a peer timed a sweep later
 meets another machine.  The same run, without the launcher, is
 ``mpirun --allow-run-as-root --oversubscribe -np 4 --mca btl vader,self python -m redsock
@@ -59,13 +59,15 @@ class MpiPeer:
             raise ConfigError(f"--algo mpi: this is rank {rank} of {world}, but MPI says rank "
                               f"{self.comm.Get_rank()} of {self.comm.Get_size()}: start the ranks with "
                               "mpirun (bench allreduce --peer mpi does)")
-        self._out: np.ndarray | None = None
+        self._outs: dict[tuple, np.ndarray] = {}
 
     def timed(self, x: np.ndarray) -> None:
-        """One out-of-place float32 sum, as the anchor times it (``x`` unchanged)."""
-        if self._out is None or self._out.shape != x.shape or self._out.dtype != x.dtype:
-            self._out = np.empty_like(x)
-        self.comm.Allreduce(x, self._out)
+        """One out-of-place float32 sum, as the anchor times it (``x`` unchanged), into an
+        output kept per shape (``--sizes-in-turn`` goes back and forth between sizes)."""
+        out = self._outs.get((x.shape, x.dtype))
+        if out is None:
+            out = self._outs[(x.shape, x.dtype)] = np.empty_like(x)
+        self.comm.Allreduce(x, out)
 
     def all_reduce(self, x: np.ndarray, op: ops.ReduceOp) -> None:
         """``x`` reduced in place (the check's call)."""

@@ -26,7 +26,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--op", default="sum", help="sum, avg, min, max, prod")
     p.add_argument("--back-to-back", action="store_true",
                    help="time per call = the slowest rank's total over -n back-to-back calls (median of "
-                        f"{B2B_ROUNDS} rounds), not the median of per-call maxima")
+                        "--rounds rounds), not the median of per-call maxima")
+    p.add_argument("--rounds", type=int, default=B2B_ROUNDS,
+                   help=f"with --back-to-back: rounds per size, every implementation's in turn (default {B2B_ROUNDS})")
+    p.add_argument("--sizes-in-turn", action="store_true",
+                   help="with --back-to-back: each round times every size in turn (round 1 of all sizes, then "
+                        "round 2...), so a slow minute of the machine spreads over every size instead of landing "
+                        "on one: the size-to-size ratios compare the same minutes (holds every size's buffers at once)")
     p.add_argument("--algo", default="auto,gloo", help="comma-separated: auto, ring, small, server, hier, gloo")
     p.add_argument("-c", "--check", action="store_true",
                    help="validate results (the #wrong column; on a 16-bit wire against its error bound, with "

@@ -66,6 +66,7 @@ def _as_tensor(x: np.ndarray):
     return torch.from_numpy(x)
 
 
+#: ``--back-to-back``'s rounds unless ``--rounds`` says (the anchor's, ../shared/anchors/mpi_allreduce.py).
 B2B_ROUNDS = 3
 
 
@@ -102,45 +103,76 @@ def _redsock_call(comm, op: ops.ReduceOp, algorithm: str | None, wire_dtype: str
     return functools.partial(comm.all_reduce, op=op, algorithm=algorithm, wire_dtype=wire_dtype)
 
 
-def time_size(runs: list[_Run], warmup: int, iters: int, comm,
-              back_to_back: bool = False) -> list[tuple[list[float], _Spent]]:
-    """Each run's times at one size (seconds per call) and this process's CPU in its timing.
+class _Sized(NamedTuple):
+    """Every implementation's run at one size, and its warm-up and timed calls per round."""
+    nbytes: int
+    runs: list[_Run]
+    warmup: int
+    iters: int
 
-    ``back_to_back``: per call, the slowest rank's total over ``iters`` back-to-back calls,
-    once per round after a barrier, as MPI benchmarks time latency (a rank that waits in one
-    call for a rank the scheduler paused is not counted twice over, as per-call maxima would);
-    the runs take :data:`B2B_ROUNDS` rounds in turn, the order reversed every other round, so
-    each implementation meets the machine's changing speed alike.  Otherwise: each call's
-    time, the slowest rank's, one run after the other."""
+
+def time_size(runs: list[_Run], warmup: int, iters: int, comm) -> list[tuple[list[float], _Spent]]:
+    """Each run's times at one size (seconds per call, each call's time, the slowest rank's,
+    one run after the other) and this process's CPU in its timing: nccl-tests' way, where
+    :func:`time_in_turn` is MPI benchmarks'."""
     for run in runs:
         for _ in range(warmup):
             run.fn(run.x)
-    spent = [_Spent() for _ in runs]
-    if not back_to_back:
-        out = []
-        for run, used in zip(runs, spent):
-            comm.barrier()
-            times = np.empty(iters)
-            with used:
-                for i in range(iters):
-                    t0 = time.perf_counter()
-                    run.fn(run.x)
-                    times[i] = time.perf_counter() - t0
-            comm.all_reduce(times, "max", algorithm="small" if times.nbytes <= 65536 else "ring")
-            out.append((times.tolist(), used))
-        return out
-    per_call = np.empty((len(runs), B2B_ROUNDS))
-    for k in range(B2B_ROUNDS):
-        for i in (range(len(runs)) if k % 2 == 0 else reversed(range(len(runs)))):
-            fn, x = runs[i].fn, runs[i].x
-            comm.barrier()
-            with spent[i]:
+    out = []
+    for run in runs:
+        used = _Spent()
+        comm.barrier()
+        times = np.empty(iters)
+        with used:
+            for i in range(iters):
                 t0 = time.perf_counter()
-                for _ in range(iters):
-                    fn(x)
-                per_call[i, k] = (time.perf_counter() - t0) / iters
+                run.fn(run.x)
+                times[i] = time.perf_counter() - t0
+        comm.all_reduce(times, "max", algorithm="small" if times.nbytes <= 65536 else "ring")
+        out.append((times.tolist(), used))
+    return out
+
+
+def time_in_turn(sized: list[_Sized], comm, progress: SweepProgress | None = None, rounds: int = B2B_ROUNDS
+                 ) -> list[tuple[list[tuple[list[float], _Spent]], BoxCpu]]:
+    """``--back-to-back``: per size, each run's times (seconds per call) and this process's
+    CPU in them, and the machine's CPU ticks while the size was timed (:func:`box_cpu`'s
+    differences, summed over its rounds).
+
+    A round times a run's ``iters`` back-to-back calls after a barrier, and its time is the
+    slowest rank's total / ``iters``, as MPI benchmarks time latency (a rank that waits in
+    one call for a rank the scheduler paused is not counted twice over, as per-call maxima
+    would).  Every run and size is warmed up first; then ``rounds`` rounds, each of
+    every size in turn and, at each size, every run in turn, the order of the runs reversed
+    every other round: an implementation, or a size, timed a minute after another meets
+    another machine here (its speed changes up to 3x from one minute to the next), so each
+    meets the machine's changing speed alike.  With one size per call, the sizes are timed
+    one after the other (as nccl-tests sweeps); with all of them, a slow minute spreads over
+    every size instead of landing on one (``--sizes-in-turn``)."""
+    for s in sized:
+        for run in s.runs:
+            for _ in range(s.warmup):
+                run.fn(run.x)
+    per_call = np.empty((len(sized), max(len(s.runs) for s in sized), rounds))
+    spent = [[_Spent() for _ in s.runs] for s in sized]
+    ticks = np.zeros((len(sized), 3), np.int64)
+    for k in range(rounds):
+        for j, s in enumerate(sized):
+            before = box_cpu()
+            for i in (range(len(s.runs)) if k % 2 == 0 else reversed(range(len(s.runs)))):
+                fn, x, iters = s.runs[i].fn, s.runs[i].x, s.iters
+                comm.barrier()
+                with spent[j][i]:
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        fn(x)
+                    per_call[j, i, k] = (time.perf_counter() - t0) / iters
+            ticks[j] += np.subtract(box_cpu(), before)
+            if progress is not None:
+                progress.advance(f"{s.nbytes} B" + (f", round {k + 1}/{rounds}" if len(sized) > 1 else ""))
     comm.all_reduce(per_call.reshape(-1), "max", algorithm="small")
-    return [(per_call[i].tolist(), spent[i]) for i in range(len(runs))]
+    return [([(per_call[j, i].tolist(), spent[j][i]) for i in range(len(s.runs))], BoxCpu(*map(int, ticks[j])))
+            for j, s in enumerate(sized)]
 
 
 def _ranks_busy(comm, cpu_s: float, wall_s: float) -> float:
@@ -153,12 +185,12 @@ def _ranks_busy(comm, cpu_s: float, wall_s: float) -> float:
     return round(float(both[0] / max(both[1], 1e-9) / (os.cpu_count() or 1)), 3)
 
 
-def _machine_shares(comm, before: BoxCpu, after: BoxCpu) -> tuple[float, float]:
+def _machine_shares(comm, ticks: BoxCpu) -> tuple[float, float]:
     """The shares of the whole machine's cores busy, and stolen by the hypervisor, while one
-    size was timed, every implementation's rounds in turn (rank 0's reading of /proc/stat, on
-    every rank; it counts in 10 ms ticks): unlike ``ranks_busy`` it counts the reducers, the
-    kernel's network work and anything else running."""
-    shares = np.array(cpu_shares(before, after))
+    size was timed (``ticks``: rank 0's differences of /proc/stat, on every rank; it counts
+    in 10 ms ticks): unlike ``ranks_busy`` it counts the reducers, the kernel's network work
+    and anything else running."""
+    shares = np.array(cpu_shares(BoxCpu(0, 0, 0), ticks))
     comm.broadcast(shares, 0)
     return round(float(shares[0]), 3), round(float(shares[1]), 3)
 
@@ -182,48 +214,61 @@ def run_rank(args: argparse.Namespace) -> int:
         from .mpi_peer import MpiPeer
 
         mpi = MpiPeer(rank, world)
+    in_turn = args.back_to_back and getattr(args, "sizes_in_turn", False)
+
+    def runs_at(nbytes: int) -> _Sized:
+        count = nbytes // dtype.itemsize
+        runs = []
+        for algo in algos:
+            fn: Callable[[np.ndarray], object]
+            check: Callable[[np.ndarray], object]
+            if algo == "gloo":
+                if gloo is None or op is ops.ReduceOp.AVG:  # (gloo is there whenever asked for)
+                    continue
+                fn = check = functools.partial(gloo.all_reduce, op=op)
+            elif algo == "mpi":
+                assert mpi is not None
+                fn, check = mpi.timed, functools.partial(mpi.all_reduce, op=op)
+            else:
+                fn = check = _redsock_call(comm, op, None if algo == "auto" else algo, explicit)
+            runs.append(_Run(algo, fn, check, timing_input(count, dtype, op, rank)))
+        return _Sized(nbytes, runs, *iters_for(nbytes, args))
+
     rows = []
-    progress = SweepProgress(rank == 0 and not args.no_progress, len(sizes))
+    progress = SweepProgress(rank == 0 and not args.no_progress,
+                             len(sizes) * (args.rounds if args.back_to_back else 1))
     try:
-        for nbytes in sizes:
-            count = nbytes // dtype.itemsize
-            runs = []
-            for algo in algos:
-                fn: Callable[[np.ndarray], object]
-                check: Callable[[np.ndarray], object]
-                if algo == "gloo":
-                    if gloo is None or op is ops.ReduceOp.AVG:  # (gloo is there whenever asked for)
-                        continue
-                    fn = check = functools.partial(gloo.all_reduce, op=op)
-                elif algo == "mpi":
-                    assert mpi is not None
-                    fn, check = mpi.timed, functools.partial(mpi.all_reduce, op=op)
-                else:
-                    fn = check = _redsock_call(comm, op, None if algo == "auto" else algo, explicit)
-                runs.append(_Run(algo, fn, check, timing_input(count, dtype, op, rank)))
-            warm, iters = iters_for(nbytes, args)
-            box0 = box_cpu()
-            timed = time_size(runs, warm, iters, comm, args.back_to_back)
-            machine, steal = _machine_shares(comm, box0, box_cpu())
-            for run, (times, spent) in zip(runs, timed):
-                algo = run.algo
-                busy = _ranks_busy(comm, spent.cpu_s, spent.wall_s)
-                on_wire = wire if algo in REDSOCK_ALGOS else None
-                wrong, max_err = (_check(run.check, count, dtype, op, rank, world, comm, on_wire) if args.check
-                                  else (-1, None))
-                how = route(comm, run.x, op, algo) if algo in REDSOCK_ALGOS else _PEER_ROUTES[algo]
-                extra: dict[str, Any] = {**how}
-                if on_wire is not None and extra["inter"] in ("server", "ring"):  # ("small" carries float32)
-                    extra["wire_dtype"] = ops.WIRE_NAMES[on_wire]
-                if max_err is not None:
-                    extra["max_rel_err"] = max_err
-                extra.update(ranks_busy=busy, machine_busy=machine, machine_steal=steal)
-                if args.back_to_back:
-                    extra["rounds_s"] = [round(t, 9) for t in times]
-                impl = algo if algo in PEER_ALGOS else "redsock"
-                rows.append(report.Row.from_times(impl, algo, world, nbytes, count, dtype.name, op.name.lower(),
-                                                  times, wrong, extra=extra))
-            progress.advance(f"{nbytes} B")
+        # (--sizes-in-turn: every size's inputs at once, the whole sweep's memory)
+        for batch in ([sizes] if in_turn else [[n] for n in sizes]):
+            sized = [runs_at(n) for n in batch]
+            if args.back_to_back:
+                timed = time_in_turn(sized, comm, progress, args.rounds)
+            else:
+                (s,) = sized
+                box0 = box_cpu()
+                timed = [(time_size(s.runs, s.warmup, s.iters, comm), BoxCpu(*np.subtract(box_cpu(), box0)))]
+                progress.advance(f"{s.nbytes} B")
+            for s, (per_run, ticks) in zip(sized, timed):
+                nbytes, count = s.nbytes, s.nbytes // dtype.itemsize
+                machine, steal = _machine_shares(comm, ticks)
+                for run, (times, spent) in zip(s.runs, per_run):
+                    algo = run.algo
+                    busy = _ranks_busy(comm, spent.cpu_s, spent.wall_s)
+                    on_wire = wire if algo in REDSOCK_ALGOS else None
+                    wrong, max_err = (_check(run.check, count, dtype, op, rank, world, comm, on_wire) if args.check
+                                      else (-1, None))
+                    how = route(comm, run.x, op, algo) if algo in REDSOCK_ALGOS else _PEER_ROUTES[algo]
+                    extra: dict[str, Any] = {**how}
+                    if on_wire is not None and extra["inter"] in ("server", "ring"):  # ("small" carries float32)
+                        extra["wire_dtype"] = ops.WIRE_NAMES[on_wire]
+                    if max_err is not None:
+                        extra["max_rel_err"] = max_err
+                    extra.update(ranks_busy=busy, machine_busy=machine, machine_steal=steal)
+                    if args.back_to_back:
+                        extra["rounds_s"] = [round(t, 9) for t in times]
+                    impl = algo if algo in PEER_ALGOS else "redsock"
+                    rows.append(report.Row.from_times(impl, algo, world, nbytes, count, dtype.name, op.name.lower(),
+                                                      times, wrong, extra=extra))
     finally:
         progress.close()
         if gloo is not None:
@@ -296,14 +341,20 @@ def sweep(args: argparse.Namespace) -> tuple[np.dtype, ops.ReduceOp, list[str], 
     dtype = ops.dtype_from_name(args.dtype)
     op = ops.ReduceOp.parse(args.op)
     algos = [a.strip() for a in args.algo.split(",") if a.strip()]
-    for a in algos:
+    for i, a in enumerate(algos):
         if a not in REDSOCK_ALGOS + PEER_ALGOS:
             raise ConfigError(f"unknown --algo {a!r}; choose from {', '.join(REDSOCK_ALGOS + PEER_ALGOS)}")
+        if a in algos[:i]:
+            raise ConfigError(f"--algo names {a!r} twice")
     if "mpi" in algos and (not args.back_to_back or dtype != np.float32 or op is not ops.ReduceOp.SUM
                            or len([a for a in algos if a not in PEER_ALGOS]) != 1):
         raise ConfigError("--peer mpi times float32 sum with --back-to-back against one redsock --algo")
+    if getattr(args, "sizes_in_turn", False) and not args.back_to_back:
+        raise ConfigError("--sizes-in-turn takes turns between --back-to-back rounds: add --back-to-back")
     if args.iters < 1 or args.warmup < 0:
         raise ConfigError(f"need -n >= 1 and -w >= 0, got -n {args.iters} -w {args.warmup}")
+    if args.rounds < 1:
+        raise ConfigError(f"need --rounds >= 1, got {args.rounds}")
     if getattr(args, "wire_dtype", None) is not None:  # asked for: refused where it cannot apply
         ops.wire_for(dtype, op, ops.wire_dtype(args.wire_dtype), explicit=True)
     return dtype, op, algos, _sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor,

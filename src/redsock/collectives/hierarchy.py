@@ -29,7 +29,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -117,17 +116,25 @@ SHARED_RESULT_MAX_BYTES = 4 * KiB
 #: 2 MiB 1977 / 1017, 1852 / 1246, 563 / 967 (docs/benchmarks/lab-log.md).
 #: So local rank 0 times each shape's calls both ways and the calls take the faster
 #: (:meth:`Hierarchy._choose_way`): every PROBE_EVERY calls a trial takes the two ways in
-#: turn, two calls at a time (the first of each pair pays for what the previous way left to
-#: the ranks after its last sync, the arena's copies out: only the second is timed), TRIAL_CALLS
-#: timed calls each, and the calls move to the other way if its best is SWITCH_MARGIN of this
-#: one's.  In turn, because the machine's speed changes by more than the ways differ: a way
-#: tried after the other (best of 2 against the other's last 2) met another moment, the slower
-#: way took 7-37% of the calls at 256 KiB-2 MiB, and the calls through the API took 1.17-1.61x
-#: the time of the faster way alone (2026-12-07, 4 ranks, rounds in turn in the same processes;
-#: the API's own cost is 10-25 us of that at 256 KiB).
+#: turn, TRIAL_RUN_CALLS calls at a time, TRIAL_RUNS runs (the other way first, this one
+#: last); the first TRIAL_WARM_CALLS calls of each run pay for what the other way left (the
+#: arena's two halves of every rank's region, cold after the other way's calls) and only the
+#: later ones are timed, and the calls move to the other way if its best is SWITCH_MARGIN of
+#: this one's.  In turn, because the machine's speed changes by more than the ways differ: a
+#: way tried after the other (best of 2 against the other's last 2) met another moment, the
+#: slower way took 7-37% of the calls at 256 KiB-2 MiB, and the calls through the API took
+#: 1.17-1.61x the time of the faster way alone (2026-12-07, 4 ranks, rounds in turn in the
+#: same processes; the API's own cost is 10-25 us of that at 256 KiB).  In runs, because the
+#: arena warms up over several calls: 4 ranks, 1 MiB, after 20 calls by cross-memory attach
+#: the arena's calls 1-8 took 579 498 393 342 333 322 317 295 us (medians of 10), cross-memory
+#: attach's after the arena 691 561 520 520 513 532 516 614; with pairs of calls, the second
+#: timed, the arena's trials took 1.4-1.9 ms at 2 MiB and kept the calls on cross-memory
+#: attach (1.1 ms), where the arena alone took 0.7 ms (2026-12-07, 18:00 UTC).
 PROBE_EVERY = 200
 SWITCH_MARGIN = 0.9
-TRIAL_CALLS = 3
+TRIAL_RUN_CALLS = 4
+TRIAL_WARM_CALLS = 2
+TRIAL_RUNS = 4
 #: The first trial of a shape starts with its FIRST_TRIAL_AFTER-th call (a few calls first warm
 #: the caches and fault in the pages).
 FIRST_TRIAL_AFTER = 8
@@ -171,7 +178,7 @@ class _Ways:
         self.way = way  # 0: the arena, 1: cross-memory attach
         self.taken = [0, 0]  # this shape's calls each way
         self.since = PROBE_EVERY - FIRST_TRIAL_AFTER  # local rank 0: calls since the last trial
-        self.times = (deque(maxlen=TRIAL_CALLS), deque(maxlen=TRIAL_CALLS))  # local rank 0: each way's times in the trial
+        self.times: tuple[list[float], list[float]] = ([], [])  # local rank 0: each way's times in the trial
         self.trial = 0  # local rank 0: this call's number in the trial under way (0: none)
         self.incumbent = way  # local rank 0: the way the calls took before it
         self.timed = False  # local rank 0: this call's time counts in the trial
@@ -386,11 +393,12 @@ class Hierarchy:
 
     def _choose_way(self, w: _Ways) -> None:
         """Local rank 0, between a call's first and last sync: the way of this shape's next
-        call, written only to change it (:data:`PROBE_EVERY`).  A trial's calls 1 to 4 x
-        TRIAL_CALLS take the other way and this one in turn, two at a time, the second of each
-        pair timed; they end on this one, and call 4 x TRIAL_CALLS + 1, which sees every time,
-        keeps the calls here unless the other way's best was SWITCH_MARGIN of this one's."""
-        i = w.trial
+        call, written only to change it, and whether this call is timed (:data:`PROBE_EVERY`).
+        A trial's calls 1 to TRIAL_RUNS x TRIAL_RUN_CALLS take the other way and this one in
+        turn, a run of TRIAL_RUN_CALLS at a time, all but each run's first TRIAL_WARM_CALLS
+        timed; they end on this one, and the call after them, which sees every time, keeps the
+        calls here unless the other way's best was SWITCH_MARGIN of this one's."""
+        i = w.trial  # (this call's number in the trial, from 1)
         if not i:
             w.since += 1
             if w.since >= PROBE_EVERY:
@@ -399,10 +407,10 @@ class Hierarchy:
                     times.clear()
                 self._tell(w, 1 - w.way)
             return
-        last = 4 * TRIAL_CALLS
+        last = TRIAL_RUNS * TRIAL_RUN_CALLS
         if i <= last:
-            w.trial, w.timed = i + 1, i % 2 == 0
-            nxt = w.incumbent if i == last or i // 2 % 2 else 1 - w.incumbent  # (call i + 1's pair)
+            w.trial, w.timed = i + 1, (i - 1) % TRIAL_RUN_CALLS >= TRIAL_WARM_CALLS
+            nxt = w.incumbent if i == last or i // TRIAL_RUN_CALLS % 2 else 1 - w.incumbent  # (call i + 1's run)
             if nxt != w.way:
                 self._tell(w, nxt)
             return

@@ -47,7 +47,13 @@ REGION_BYTES = 4 * MiB
 #: Pieces of a collective that stays inside the host: the 2 x L pieces in flight stay in the
 #: caches (4 ranks on one host, float32 sum, 4 / 16 / 64 MiB: 7.7 / 26 / 105 ms with 4 MiB
 #: pieces, 5.0 / 19.1 / 68 ms with 1 MiB).  Between hosts the pieces stay at REGION_BYTES:
-#: 1 MiB pieces took 4 hosts x 2 ranks through the reducers from 1.5x to 1.2x gloo.
+#: 1 MiB pieces took 4 hosts x 2 ranks through the reducers from 1.5x to 1.2x gloo.  But an
+#: all-reduce that fits one region goes through the arena in one piece: each piece costs two
+#: syncs, each a turn of the two ranks that share a core.  4 ranks on 2 cores, 2026-12-07, 6
+#: rounds in turn in the same processes, one piece / 1 MiB pieces: 1.5 MiB 0.72-0.99x the
+#: time, 2 MiB 0.71-0.91x (and 0.70-0.80x in another run), 3 MiB 0.62-0.72x, 4 MiB 0.53-1.54x
+#: (0.53-0.56 in one state of the machine, 1.09-1.54 in the other); from 16 MiB the pieces of
+#: 1 MiB stay (2 MiB pieces: 0.96-1.17x at 16 MiB, 0.87-1.40x at 64 MiB).
 LOCAL_PIECE_BYTES = 1 * MiB
 #: Between hosts the first pieces grow from REGION_BYTES / PIPELINE_RAMP and the last ones
 #: shrink back to it: the links start after a small piece is reduced and finish soon after
@@ -365,8 +371,8 @@ class Hierarchy:
             result = g.result(dt, n) if n * dt.itemsize <= SHARED_RESULT_MAX_BYTES else None
         elif path == "arena":
             run = self._reduce_sharded
-            pieces = tuple((lo, hi, tuple(partition(hi - lo, g.size)))
-                           for lo, hi in chunks(0, n, LOCAL_PIECE_BYTES // dt.itemsize))
+            per_piece = n if n * dt.itemsize <= g.region_bytes else LOCAL_PIECE_BYTES // dt.itemsize
+            pieces = tuple((lo, hi, tuple(partition(hi - lo, g.size))) for lo, hi in chunks(0, n, per_piece))
         else:
             run = self._reduce_direct
             a, b = partition(n, g.size)[g.me]

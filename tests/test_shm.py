@@ -356,12 +356,12 @@ def _calls(per_way_s, n, start_way=1, warm_cost_s=(0.0, 0.0)):
 
 
 def test_a_trial_takes_the_ways_in_runs_and_times_the_warm_calls_of_each():
-    """Every PROBE_EVERY calls (the first PROBE_EVERY calls in) local rank 0 tries the
+    """Every PROBE_EVERY calls (first at the FIRST_TRIAL_AFTER-th) local rank 0 tries the
     other way: the two ways in turn, runs of TRIAL_RUN_CALLS calls, only the calls after each
     run's first TRIAL_WARM_CALLS timed (they pay what the previous way left over); the calls
     move only if the other way's best beat this one's by SWITCH_MARGIN."""
     run, warm, runs = hierarchy.TRIAL_RUN_CALLS, hierarchy.TRIAL_WARM_CALLS, hierarchy.TRIAL_RUNS
-    start = hierarchy.PROBE_EVERY - 1  # (the call that starts the trial, on the way in use)
+    start = hierarchy.FIRST_TRIAL_AFTER - 1  # (the trial's first call, on the way in use)
     judged = start + runs * run + 1  # (the call after the trial, back on the way in use)
     # cross-memory attach (1) in use; the arena (0) 20% faster once warm, but slow to warm
     # after the other way's calls (1.6, 1.0, 0.89, 0.85: as measured, the arena's halves cold),

@@ -136,15 +136,14 @@ SHARED_RESULT_MAX_BYTES = 4 * KiB
 #: attach's after the arena 691 561 520 520 513 532 516 614; with pairs of calls, the second
 #: timed, the arena's trials took 1.4-1.9 ms at 2 MiB and kept the calls on cross-memory
 #: attach (1.1 ms), where the arena alone took 0.7 ms (2026-12-07, 18:00 UTC).
-#: The first trial comes PROBE_EVERY calls in, as every other, until then the calls take
-#: :meth:`Hierarchy.local_path`'s way: a trial early in a shape's life weighs more than its
-#: share in a short run (at 64 MiB, 26 calls of which 8 on the slower way took a sweep's 64 MiB
-#: row to 1.2-1.4x twice its 32 MiB row's, 2026-12-07), and it costs a long run no more.
 PROBE_EVERY = 200
 SWITCH_MARGIN = 0.9
 TRIAL_RUN_CALLS = 4
 TRIAL_WARM_CALLS = 2
 TRIAL_RUNS = 4
+#: The first trial of a shape starts with its FIRST_TRIAL_AFTER-th call (a few calls first warm
+#: the caches and fault in the pages).
+FIRST_TRIAL_AFTER = 8
 #: Flips a bit of a call's signature check on the cross-memory-attach way: local ranks that
 #: took different ways for one call (a bug) fail at its first sync instead of mixing data.
 _WAY_MARK = 0x8000
@@ -184,7 +183,7 @@ class _Ways:
         self.plans: tuple[_Plan, ...] = ()
         self.way = way  # 0: the arena, 1: cross-memory attach
         self.taken = [0, 0]  # this shape's calls each way
-        self.since = 0  # local rank 0: calls since the last trial (the first comes PROBE_EVERY calls in, as every other)
+        self.since = PROBE_EVERY - FIRST_TRIAL_AFTER  # local rank 0: calls since the last trial
         self.times: tuple[list[float], list[float]] = ([], [])  # local rank 0: each way's times in the trial
         self.trial = 0  # local rank 0: this call's number in the trial under way (0: none)
         self.incumbent = way  # local rank 0: the way the calls took before it

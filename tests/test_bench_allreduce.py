@@ -320,3 +320,15 @@ def test_peer_mpi_puts_open_mpis_time_beside_redsocks(tmp_path, algo, order):
         assert path == mine["extra"]["path"]
         assert path == "whole" if int(size) == 65536 else re.fullmatch(WAYS, path), path
         assert 0 <= float(busy[:-1]) <= 100 and 0 <= float(steal[:-1]) <= 100
+
+
+def test_huge_sizes_time_fewer_calls_but_keep_every_warm_up_call():
+    """From 64 MiB the sweep times at most 8 calls a round (it stays bounded), but warms up
+    with all of -w: what an implementation settles in its first calls (redsock's first trial
+    of its ways, at a shape's 8th call) stays out of the timed calls."""
+    import argparse
+
+    args = argparse.Namespace(warmup=30, iters=300)
+    assert rank_mod.iters_for(32 << 20, args) == (30, 300)
+    assert rank_mod.iters_for(64 << 20, args) == (30, 8)
+    assert rank_mod.iters_for(1 << 30, argparse.Namespace(warmup=0, iters=2)) == (0, 3)

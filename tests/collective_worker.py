@@ -404,6 +404,46 @@ def late_ranks_copy_the_result(comm, rank, world):
     print("ok", flush=True)
 
 
+def arena_halves_under_a_late_rank(comm, rank, world):
+    """All-reduces through the arena in one piece (the same half again where the same plan
+    follows itself) between whole-buffer calls and another one-piece shape, with rank 1 slow
+    in every copy and in the whole buffer's reduction, so the others run ahead into the next
+    call while it still reads the last one's: integers exact on every rank."""
+    from redsock import ops
+
+    hier = comm.hier
+    assert hier is not None and hier.nhosts == 1 and hier.local_path(1 << 20) == "arena", "needs REDSOCK_SHM_CMA=off"
+    one_piece, other_piece, whole = 1 << 17, (1 << 17) + 24, 1000  # (int64: 1 MiB, 1 MiB + 192 B, 8000 B)
+    assert hier.local_path(whole * 8) == "whole"
+    if rank == 1:
+        copy = ops.copy
+
+        def slow_copy(dst, src):
+            time.sleep(0.002)
+            copy(dst, src)
+
+        ops.copy = slow_copy  # (the hierarchy copies through the module)
+    order = [one_piece, one_piece, one_piece, whole, one_piece, other_piece, one_piece, one_piece, whole, whole,
+             other_piece, other_piece, one_piece]
+    for i in range(3 * len(order)):
+        n = order[i % len(order)]
+        x = np.arange(n, dtype=np.int64) * (i + 1) + 1000 * rank + i
+        comm.all_reduce(x)
+        want = np.arange(n, dtype=np.int64) * (i + 1) * world + 1000 * sum(range(world)) + i * world
+        assert np.array_equal(x, want), (i, n, np.flatnonzero(x != want)[:4])
+        key = (x.dtype, n, ops.ReduceOp.SUM)
+        plan = hier.plans[key]
+        if rank == 1 and n == whole and plan.reduce.__name__ != "slow_reduce":
+            reduce = plan.reduce
+
+            def slow_reduce(rows, out, reduce=reduce):
+                time.sleep(0.002)
+                return reduce(rows, out)
+
+            hier.plans[key] = plan._replace(reduce=slow_reduce)
+    print("ok", flush=True)
+
+
 def raises(comm, rank, world):
     comm.all_reduce(np.ones(10, np.float32))
     raise RuntimeError("the training script fails")

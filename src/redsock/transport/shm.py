@@ -149,6 +149,7 @@ class LocalGroup:
         self._line = local_rank * _LINE_WORDS  # this rank's words in the header
         self._sleeping_on_me = local_rank + 1  # a sleep word's value while its rank waits for this one
         self._half = 0
+        self._half_owner: object = None  # (half_for: the plan that moved the last piece, if it asked)
         self._closed = False
         self._result_offset = HEADER_BYTES + DATA_SKEW + 2 * self.size * self.region_bytes
         nbytes = self._result_offset + self.region_bytes
@@ -320,6 +321,19 @@ class LocalGroup:
     def next_half(self) -> int:
         """The half of every region the next piece goes through (all local ranks alternate alike)."""
         self._half ^= 1
+        self._half_owner = None
+        return self._half
+
+    def half_for(self, owner: object) -> int:
+        """The half for a piece that ``owner`` moves: the last piece's again where ``owner``
+        moved that one too (no other piece in between), else the next (:meth:`next_half`).
+        For a caller whose ranks, in its next piece, write before its first sync only what no
+        rank reads after the last one (:meth:`Hierarchy._reduce_sharded` in one piece): one
+        half then stays in the caches instead of two.  Alike on every local rank, which make
+        the same calls in the same order."""
+        if self._half_owner is not owner:
+            self._half ^= 1
+            self._half_owner = owner
         return self._half
 
     def rows(self, half: int, dtype: np.dtype, count: int) -> np.ndarray:

@@ -406,7 +406,8 @@ def late_ranks_copy_the_result(comm, rank, world):
 
 def arena_halves_under_a_late_rank(comm, rank, world):
     """All-reduces through the arena in one piece (the same half again where the same plan
-    follows itself) between whole-buffer calls and another one-piece shape, with rank 1 slow
+    follows itself), between whole-buffer calls, calls in several pieces and another
+    one-piece shape, with rank 1 slow
     in every copy and in the whole buffer's reduction, so the others run ahead into the next
     call while it still reads the last one's: integers exact on every rank."""
     from redsock import ops
@@ -414,7 +415,8 @@ def arena_halves_under_a_late_rank(comm, rank, world):
     hier = comm.hier
     assert hier is not None and hier.nhosts == 1 and hier.local_path(1 << 20) == "arena", "needs REDSOCK_SHM_CMA=off"
     one_piece, other_piece, whole = 1 << 17, (1 << 17) + 24, 1000  # (int64: 1 MiB, 1 MiB + 192 B, 8000 B)
-    assert hier.local_path(whole * 8) == "whole"
+    pieces = (1 << 19) + 1000  # (4 MiB + 8000 B: five pieces, through either half in turn)
+    assert hier.local_path(whole * 8) == "whole" and hier.local_path(pieces * 8) == "arena"
     if rank == 1:
         copy = ops.copy
 
@@ -424,7 +426,7 @@ def arena_halves_under_a_late_rank(comm, rank, world):
 
         ops.copy = slow_copy  # (the hierarchy copies through the module)
     order = [one_piece, one_piece, one_piece, whole, one_piece, other_piece, one_piece, one_piece, whole, whole,
-             other_piece, other_piece, one_piece]
+             other_piece, other_piece, one_piece, pieces, pieces, one_piece, pieces, whole, pieces]
     for i in range(3 * len(order)):
         n = order[i % len(order)]
         x = np.arange(n, dtype=np.int64) * (i + 1) + 1000 * rank + i

@@ -77,8 +77,9 @@ def test_ranks_that_pass_a_small_sync_late_copy_the_result_left_for_them(world):
 def test_one_piece_arena_calls_reuse_their_half_only_after_themselves():
     """A one-piece all-reduce through the arena that follows one of the same plan goes
     through the same half (one half stays in the caches): with a late rank still reading the
-    last call, the others' next call must write nothing it reads; any other call between
-    (another shape, the whole-buffer path) moves the next one to the other half."""
+    last call, the others' next call must write nothing it reads; any other piece between
+    (another shape, a call in several pieces, the whole-buffer path) moves the next one to
+    the other half."""
     outs = run_world("arena_halves_under_a_late_rank", 3, env={"REDSOCK_SHM_CMA": "off"}, timeout=120)
     for r, (code, out, err) in enumerate(outs):
         assert code == 0 and out.rstrip().endswith("ok"), f"rank {r}:\n{err[-3000:]}"

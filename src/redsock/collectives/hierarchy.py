@@ -467,7 +467,9 @@ class Hierarchy:
         reach when done.  4 ranks on 2 cores, 2026-12-07, 6 rounds in turn in the same
         processes, the same half / the next: 1 MiB 0.81-1.08x the time (0.48-0.93 in
         another run), 2 MiB 0.66-0.82x (0.57-0.83), 3 MiB 0.65-0.93x (0.73-1.47), 4 MiB
-        0.67-0.99x (0.91-2.07)."""
+        0.67-0.99x (0.91-2.07).  The pieces of a call in several keep taking the halves in
+        turn: 1 MiB pieces through one half (the same argument holds between pieces of one
+        length) took 1.15-1.33x the time at 8 MiB, 1.08-2.05x at 16 MiB, 0.77-1.25x at 64 MiB."""
         g, me, dt = self.local, self.local.me, x.dtype
         sig: int | None = signature
         whole = len(plan.pieces) == 1

@@ -124,8 +124,7 @@ SHARED_RESULT_MAX_BYTES = 4 * KiB
 #: (:meth:`Hierarchy._choose_way`): every PROBE_EVERY calls a trial takes the two ways in
 #: turn, TRIAL_RUN_CALLS calls at a time, TRIAL_RUNS runs (the other way first, this one
 #: last); the first TRIAL_WARM_CALLS calls of each run pay for what the other way left (the
-#: arena's two halves of every rank's region, cold after the other way's calls) and only the
-#: later ones are timed, and the calls move to the other way if its best is SWITCH_MARGIN of
+#: arena's regions, cold after the other way's calls) and only the later ones are timed, and the calls move to the other way if its best is SWITCH_MARGIN of
 #: this one's.  In turn, because the machine's speed changes by more than the ways differ: a
 #: way tried after the other (best of 2 against the other's last 2) met another moment, the
 #: slower way took 7-37% of the calls at 256 KiB-2 MiB, and the calls through the API took
@@ -472,9 +471,9 @@ class Hierarchy:
         length) took 1.15-1.33x the time at 8 MiB, 1.08-2.05x at 16 MiB, 0.77-1.25x at 64 MiB."""
         g, me, dt = self.local, self.local.me, x.dtype
         sig: int | None = signature
-        whole = len(plan.pieces) == 1
+        one_piece = len(plan.pieces) == 1
         for lo, hi, bounds in plan.pieces:
-            rows = g.rows(g.half_for(plan) if whole else g.next_half(), dt, hi - lo)
+            rows = g.rows(g.half_for(plan) if one_piece else g.next_half(), dt, hi - lo)
             a, b = bounds[me]
             ops.copy(rows[me][:a], x[lo:lo + a])
             ops.copy(rows[me][b:], x[lo + b:hi])

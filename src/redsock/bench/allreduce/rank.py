@@ -111,13 +111,17 @@ class _Sized(NamedTuple):
     iters: int
 
 
+def _warm_up(runs: list[_Run], calls: int) -> None:
+    for run in runs:
+        for _ in range(calls):
+            run.fn(run.x)
+
+
 def time_size(runs: list[_Run], warmup: int, iters: int, comm) -> list[tuple[list[float], _Spent]]:
     """Each run's times at one size (seconds per call, each call's time, the slowest rank's,
     one run after the other) and this process's CPU in its timing: nccl-tests' way, where
     :func:`time_in_turn` is MPI benchmarks'."""
-    for run in runs:
-        for _ in range(warmup):
-            run.fn(run.x)
+    _warm_up(runs, warmup)
     out = []
     for run in runs:
         used = _Spent()
@@ -150,9 +154,7 @@ def time_in_turn(sized: list[_Sized], comm, progress: SweepProgress | None = Non
     one after the other (as nccl-tests sweeps); with all of them, a slow minute spreads over
     every size instead of landing on one (``--sizes-in-turn``)."""
     for s in sized:
-        for run in s.runs:
-            for _ in range(s.warmup):
-                run.fn(run.x)
+        _warm_up(s.runs, s.warmup)
     per_call = np.empty((len(sized), max(len(s.runs) for s in sized), rounds))
     spent = [[_Spent() for _ in s.runs] for s in sized]
     ticks = np.zeros((len(sized), 3), np.int64)
@@ -214,7 +216,7 @@ def run_rank(args: argparse.Namespace) -> int:
         from .mpi_peer import MpiPeer
 
         mpi = MpiPeer(rank, world)
-    in_turn = args.back_to_back and getattr(args, "sizes_in_turn", False)
+    in_turn = args.back_to_back and args.sizes_in_turn
 
     def runs_at(nbytes: int) -> _Sized:
         count = nbytes // dtype.itemsize
@@ -349,7 +351,7 @@ def sweep(args: argparse.Namespace) -> tuple[np.dtype, ops.ReduceOp, list[str], 
     if "mpi" in algos and (not args.back_to_back or dtype != np.float32 or op is not ops.ReduceOp.SUM
                            or len([a for a in algos if a not in PEER_ALGOS]) != 1):
         raise ConfigError("--peer mpi times float32 sum with --back-to-back against one redsock --algo")
-    if getattr(args, "sizes_in_turn", False) and not args.back_to_back:
+    if args.sizes_in_turn and not args.back_to_back:
         raise ConfigError("--sizes-in-turn takes turns between --back-to-back rounds: add --back-to-back")
     if args.iters < 1 or args.warmup < 0:
         raise ConfigError(f"need -n >= 1 and -w >= 0, got -n {args.iters} -w {args.warmup}")

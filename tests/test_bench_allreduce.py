@@ -19,6 +19,7 @@ from redsock.bench import allreduce
 from redsock.bench.allreduce import local
 from redsock.bench.allreduce import rank as rank_mod
 from redsock.bench.procs import BoxCpu, box_cpu, cpu_shares
+from redsock.config import parse_size
 
 
 @pytest.mark.parametrize("dtype, op", [(np.float32, "sum"), (ops.bfloat16, "avg"), (np.int8, "prod"),
@@ -282,19 +283,22 @@ WAYS = r"(cma|arena)|(cma|arena):\d+%\+(cma|arena):\d+%"
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun: `make setup` installs Open MPI where it runs "
                     "as root with apt; elsewhere apt-get install openmpi-bin")
-@pytest.mark.parametrize("algo, order", [("auto", []), ("auto,mpi", ["--sizes-in-turn"])],
+@pytest.mark.parametrize("algo, order, sizes", [("auto", [], ("64K", "1M", "4")),
+                                                ("auto,mpi", ["--sizes-in-turn"], ("256K", "1M", "2"))],
                          ids=["size-after-size", "sizes-in-turn"])
-def test_peer_mpi_puts_open_mpis_time_beside_redsocks(tmp_path, algo, order):
+def test_peer_mpi_puts_open_mpis_time_beside_redsocks(tmp_path, algo, order, sizes):
     """4 ranks that mpirun starts time redsock's and Open MPI's shared-memory all-reduce in
     the same processes, round by round in turn: one line per size with both times (as their
-    JSON rows say), their ratio and its range over the rounds, the machine's busy share, and
-    the in-host path (the whole buffer up to 64 KiB for 4 ranks, then sharded through the
-    arena or one copy each way by cross-memory attach, whichever has been faster lately).
-    MPI's results are checked too (--check: 0 wrong).  The same with the sizes in turn, and
-    with "mpi" in --algo already (timed once, not twice)."""
+    JSON rows say), their ratio and its range over the rounds, each one's time over its time
+    at half the size (where the sweep has it), the machine's busy share, and the in-host path
+    (the whole buffer up to 64 KiB for 4 ranks, then sharded through the arena or one copy
+    each way by cross-memory attach, whichever has been faster lately).  MPI's results are
+    checked too (--check: 0 wrong).  The same with the sizes in turn, and with "mpi" in
+    --algo already (timed once, not twice)."""
     out = tmp_path / "rows.jsonl"
-    r = subprocess.run([sys.executable, "-m", "redsock", "bench", "allreduce", "--nprocs", "4", "-b", "64K", "-e", "1M",
-                        "-f", "4", "--algo", algo, "--back-to-back", "-n", "20", "-w", "2", "--no-progress",
+    low, high, factor = sizes
+    r = subprocess.run([sys.executable, "-m", "redsock", "bench", "allreduce", "--nprocs", "4", "-b", low, "-e", high,
+                        "-f", factor, "--algo", algo, "--back-to-back", "-n", "20", "-w", "2", "--no-progress",
                         "--peer", "mpi", "--check", "--json", str(out), *order], capture_output=True, text=True,
                        timeout=300,
                        env={**os.environ, "REDSOCK_SHM_CMA": "auto"})
@@ -307,12 +311,16 @@ def test_peer_mpi_puts_open_mpis_time_beside_redsocks(tmp_path, algo, order):
     assert all(row["extra"]["inter"] == "vader" and len(row["extra"]["rounds_s"]) == 3 for row in rows["mpi"].values())
     table = r.stdout.split("redsock against Open MPI shared memory")[1].split("\n", 1)[1]
     lines = [line.split() for line in table.splitlines() if line and not line.startswith("#")]
-    assert [int(cells[0]) for cells in lines] == [65536, 262144, 1048576] == sorted(rows["redsock"])
-    for size, ours, mpi, ratio, spread, busy, steal, path in lines:
+    expected = [parse_size(low) * int(factor) ** k for k in range(3)]
+    assert [int(cells[0]) for cells in lines] == expected == sorted(rows["redsock"])
+    for size, ours, mpi, ratio, spread, ours_half, mpi_half, busy, steal, path in lines:
         mine, theirs = rows["redsock"][int(size)], rows["mpi"][int(size)]
         assert float(ours) == pytest.approx(mine["median_s"] * 1e6, abs=0.06)
         assert float(mpi) == pytest.approx(theirs["median_s"] * 1e6, abs=0.06)
         assert float(ratio[:-1]) == pytest.approx(float(ours) / float(mpi), rel=0.01, abs=0.006)
+        for impl, half in (("redsock", ours_half), ("mpi", mpi_half)):
+            below = rows[impl].get(int(size) // 2)
+            assert half == (f"{rows[impl][int(size)]['median_s'] / below['median_s']:.2f}x" if below else "-")
         pairs = [a / b for a, b in zip(mine["extra"]["rounds_s"], theirs["extra"]["rounds_s"])]
         assert spread == f"{min(pairs):.2f}-{max(pairs):.2f}"
         # (from 256 KiB the calls go through the arena or by cross-memory attach, whichever has

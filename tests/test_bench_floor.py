@@ -127,16 +127,22 @@ def test_memory_floor_times_redsock_in_the_same_processes(tmp_path):
     """--mode memory: per size, the copy-and-barrier floor and redsock's all-reduce (checked:
     0 wrong), each a positive time per call, their ratio, redsock's path and the machine's shares."""
     out = tmp_path / "memory.json"
-    r = floor("--mode", "memory", "--nprocs", "3", "--sizes", "8,64K,1M", "--warmup", "1", "--json", str(out))
+    r = floor("--mode", "memory", "--nprocs", "3", "--sizes", "8,16,1M", "--warmup", "1", "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "memory floor: 3 ranks" in r.stdout
     rows = json.loads(out.read_text())
-    assert [row["size"] for row in rows] == [8, 64 << 10, 1 << 20]
+    assert [row["size"] for row in rows] == [8, 16, 1 << 20]
     for row in rows:
         assert row["wrong"] == 0 and row["mode"] == "memory" and row["nprocs"] == 3
         assert row["floor_s"] > 0 and row["redsock_s"] > 0
         assert row["x_floor"] == pytest.approx(row["redsock_s"] / row["floor_s"])
         assert row["calls"] >= 5 and 0 <= row["machine_steal"] <= row["machine_busy"] <= 1
+    # (each one's time over its time at half the size, where that was timed: 16 B only)
+    for key in ("floor", "redsock"):
+        halves = [row[f"{key}_x_half"] for row in rows]
+        assert halves == [None, pytest.approx(rows[1][f"{key}_s"] / rows[0][f"{key}_s"]), None]
+    table = [cells for cells in map(str.split, r.stdout.splitlines()) if cells[:2] == ["16", "B"]]
+    assert len(table) == 1 and table[0][6:8] == [f"{rows[1]['floor_x_half']:.2f}x", f"{rows[1]['redsock_x_half']:.2f}x"]
     # (1 MiB goes either way, the faster lately: one name, or both with their shares)
     from test_bench_allreduce import WAYS
 

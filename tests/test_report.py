@@ -101,6 +101,14 @@ def test_human_size_parses_back_with_config_parse_size(n: int) -> None:
     assert parse_size(R.human_size(n, sep="")) == n
 
 
+def test_per_half_divides_each_time_by_the_time_at_half_the_size() -> None:
+    """Only where half the size was timed: not for the smallest, an odd size, or a gap."""
+    ratios = R.per_half({8: 1.0, 16: 2.5, 32: 4.0, 128: 9.0, 7: 1.0, 3: 5.0})
+    assert ratios == {8: None, 16: 2.5, 32: 1.6, 128: None, 7: None, 3: None}
+    assert [R.times_x(r) for r in (ratios[16], ratios[8])] == ["2.50x", "-"]
+    assert R.per_half({}) == {}
+
+
 # ---------------------------------------------------------------- nccl-tests table
 
 def test_table_columns_and_numbers() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -130,6 +130,17 @@ def human_size(n: float, sep: str = " ") -> str:
             return f"{value:.4g}{sep}{unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def per_half(times: Mapping[int, float]) -> dict[int, float | None]:
+    """Each size's time over the time of half its size, where that was timed too (else None):
+    how steeply time grows with size (a cliff: twice the bytes, more than about twice the time)."""
+    return {n: t / times[n // 2] if n % 2 == 0 and times.get(n // 2) else None for n, t in times.items()}
+
+
+def times_x(ratio: float | None) -> str:
+    """A ratio as "1.23x"; "-" for none."""
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 # ------------------------------------------------------------------ nccl-tests table

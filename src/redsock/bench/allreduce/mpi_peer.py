@@ -29,6 +29,7 @@ import numpy as np
 
 from ... import ops
 from ...errors import ConfigError
+from ...results import per_half, times_x
 from ..procs import stop_processes
 
 #: Open MPI's shared-memory transport (vader) and the loopback to itself; nothing else.
@@ -114,22 +115,24 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 def side_by_side(rows: list[Any]) -> str:
     """The redsock rows and the MPI rows of one run (report.Row) by size: both times, their
-    ratio (with its range over the rounds, each round's pair timed one after the other), the
-    path redsock's in-host stage took, and the machine's busy and steal shares while the size
-    was timed (both, rounds in turn)."""
+    ratio (with its range over the rounds, each round's pair timed one after the other), each
+    one's time over its time at half the size (where the sweep has it: ``-f 2``), the path
+    redsock's in-host stage took, and the machine's busy and steal shares while the size was
+    timed (both, rounds in turn)."""
     mpi = {r.bytes: r for r in rows if r.impl == "mpi"}
-    ours = [r for r in rows if r.impl == "redsock"]
+    ours = [r for r in rows if r.impl == "redsock" and r.bytes in mpi]
+    ours_half = per_half({r.bytes: r.median_s for r in ours})
+    mpi_half = per_half({n: m.median_s for n, m in mpi.items()})
     out = ["# redsock against Open MPI shared memory (vader), the same sizes in the same processes, rounds in turn",
-           "#", "#       size    redsock   MPI shm   redsock/MPI  (rounds)   busy  steal  path",
-           "#        (B)       (us)      (us)"]
+           "#", "#       size    redsock   MPI shm   redsock/MPI  (rounds)   x half size      busy  steal  path",
+           "#        (B)       (us)      (us)                          redsock    MPI"]
     for r in ours:
-        m = mpi.get(r.bytes)
-        if m is None:
-            continue
+        m = mpi[r.bytes]
         extra = r.extra or {}
         pairs = [a / b for a, b in zip(extra.get("rounds_s", ()), (m.extra or {}).get("rounds_s", ()))]
         spread = f"{min(pairs):.2f}-{max(pairs):.2f}" if pairs else "-"
         out.append(f"{r.bytes:>12}  {r.median_s * 1e6:>9.1f} {m.median_s * 1e6:>9.1f}  {r.median_s / m.median_s:>9.2f}x"
-                   f"  {spread:<9}  {extra.get('machine_busy', float('nan')):>4.0%}  "
+                   f"  {spread:<9}  {times_x(ours_half[r.bytes]):>7} {times_x(mpi_half[r.bytes]):>6}"
+                   f"  {extra.get('machine_busy', float('nan')):>4.0%}  "
                    f"{extra.get('machine_steal', float('nan')):>4.0%}  {extra.get('path', extra.get('scheme', '-'))}")
     return "\n".join(out) + "\n"

@@ -25,7 +25,7 @@ import numpy as np
 
 from ... import ops
 from ...errors import PeerFailure
-from ...results import human_size
+from ...results import human_size, per_half, times_x
 from ..allreduce.rank import B2B_ROUNDS
 from ..procs import box_cpu, cpu_shares
 
@@ -131,6 +131,10 @@ def run_memory(nprocs: int, sizes: list[int], warmup: int) -> list[dict]:
                      "floor_s": floor_s, "redsock_s": redsock_s, "x_floor": redsock_s / floor_s,
                      "path": per_rank[0]["path"], "wrong": sum(p["wrong"] for p in per_rank),
                      "machine_busy": per_rank[0]["machine_busy"], "machine_steal": per_rank[0]["machine_steal"]})
+    for key in ("floor", "redsock"):  # (a cliff in the floor is the machine's: its caches)
+        halves = per_half({row["size"]: row[f"{key}_s"] for row in rows})
+        for row in rows:
+            row[f"{key}_x_half"] = halves[row["size"]]
     return rows
 
 
@@ -140,9 +144,13 @@ def print_memory(rows: list[dict], nprocs: int) -> None:
           "processes, alternating", flush=True)
     print("# back-to-back calls after a barrier, the slowest rank's total / calls, median of "
           f"{B2B_ROUNDS} rounds", flush=True)
-    print("#     size   calls   floor(us)  redsock(us)  redsock/floor  path   #wrong  busy  steal", flush=True)
+    print("# x half size: the time over the time at half the size, where the sizes have it", flush=True)
+    print("#     size   calls   floor(us)  redsock(us)  redsock/floor   x half size    path   #wrong  busy  steal",
+          flush=True)
+    print("#                                                          floor redsock", flush=True)
     for row in rows:
         print(f"{human_size(row['size']):>10} {row['calls']:7d} {row['floor_s'] * 1e6:11.1f} "
-              f"{row['redsock_s'] * 1e6:12.1f} {row['x_floor']:13.2f}x  {row['path']:<6} {row['wrong']:6d} {row['machine_busy']:5.0%} "
+              f"{row['redsock_s'] * 1e6:12.1f} {row['x_floor']:13.2f}x  {times_x(row['floor_x_half']):>6} "
+              f"{times_x(row['redsock_x_half']):>7}  {row['path']:<6} {row['wrong']:6d} {row['machine_busy']:5.0%} "
               f"{row['machine_steal']:6.0%}",
               flush=True)

@@ -346,12 +346,14 @@ class _Rank0:
 
 def _calls(per_way_s, n, start_way=1, warm_cost_s=(0.0, 0.0)):
     """``n`` calls of one shape as :meth:`Hierarchy._reduce_either` makes them, each way
-    costing ``per_way_s`` (seconds), and the first calls after a change of way more: the
-    k-th ``warm_cost_s / k**2`` more (each way warms up over calls): the ways taken and the
-    calls timed."""
+    costing ``per_way_s`` (seconds; or a function of the call's number that says them), and
+    the first calls after a change of way more: the k-th ``warm_cost_s / k**2`` more (each
+    way warms up over calls): the ways taken and the calls timed."""
     rank0, w = _Rank0(), hierarchy._Ways(7, way=start_way)
     ways, timed, previous, run = [], [], start_way, 0
-    for _ in range(n):
+    costs = per_way_s if callable(per_way_s) else lambda call: per_way_s
+    for call in range(n):
+        per_way_s = costs(call)
         said = rank0.local.told(w.ident % hierarchy.TOLD_SLOTS)
         if said >> 1 == w.ident:
             w.way = said & 1
@@ -388,5 +390,51 @@ def test_a_trial_takes_the_ways_in_runs_and_times_the_warm_calls_of_each():
         assert ways[judged:] == [1] * 5
     # and the next trial PROBE_EVERY calls later
     again = judged + hierarchy.PROBE_EVERY
-    ways, _ = _calls((2.0, 1.0), again + 3)
+    ways, _ = _calls((1.2, 1.0), again + 3)
     assert set(ways[judged:again + 1]) == {1} and ways[again + 1:] == [0, 0]
+
+
+def _trial_starts(timed):
+    """The first timed call of each trial (every trial times the same number of calls)."""
+    per_trial = hierarchy.TRIAL_RUNS * (hierarchy.TRIAL_RUN_CALLS - hierarchy.TRIAL_WARM_CALLS)
+    return timed[::per_trial]
+
+
+def test_trials_grow_apart_while_the_other_way_loses_clearly():
+    """A trial whose challenger's best took CLEAR_LOSS x the incumbent's or more doubles the
+    calls until the next one, up to PROBE_EVERY_MAX: a way that keeps losing clearly costs
+    ever fewer calls.  A closer outcome brings them back to PROBE_EVERY, and a switch too."""
+    every, most = hierarchy.PROBE_EVERY, hierarchy.PROBE_EVERY_MAX
+    assert hierarchy.CLEAR_LOSS > 1 / hierarchy.SWITCH_MARGIN and most > 4 * every
+    doublings = (most // every).bit_length() - 1
+    n = sum(every << k for k in range(doublings + 1)) + 3 * most
+
+    def gaps(per_way_s, calls=n):
+        starts = _trial_starts(_calls(per_way_s, calls)[1])
+        return [b - a for a, b in zip(starts, starts[1:])]
+
+    close = gaps((hierarchy.CLEAR_LOSS * 0.99, 1.0))  # (a loss, not a clear one: trials stay PROBE_EVERY apart)
+    assert len(set(close)) == 1
+    trial = close[0] - every  # (a trial's own calls)
+    clear = gaps((hierarchy.CLEAR_LOSS, 1.0))  # (the arena, 0, clearly slower than cross-memory attach)
+    grown = [every << k for k in range(1, doublings + 1)] + [most] * 3
+    assert clear == [trial + e for e in grown][:len(clear)] and len(clear) >= doublings + 2
+    # clearly slower until call 2000, then only a little: the next trial comes PROBE_EVERY later again
+    turn = 2000
+
+    def costs(call):
+        return (2.0 if call < turn else 1.2, 1.0)
+
+    starts = _trial_starts(_calls(costs, 4000)[1])
+    after = [b - a for a, b in zip(starts, starts[1:]) if a > turn]
+    assert max(gaps(costs, 4000)) > close[0] and after and set(after) == {close[0]}
+
+    # and a switch after clear losses (the arena clearly slower until call 2000, then 20% faster:
+    # cross-memory attach then loses, not clearly)
+    def flip(call):
+        return (2.0 if call < turn else 0.8, 1.0)
+
+    ways, timed = _calls(flip, 4000)
+    starts = _trial_starts(timed)
+    after = [b - a for a, b in zip(starts, starts[1:]) if a > turn]
+    assert ways[-1] == 0 and max(gaps(flip, 4000)) > close[0] and after and set(after) == {close[0]}

@@ -137,6 +137,14 @@ SHARED_RESULT_MAX_BYTES = 4 * KiB
 #: attach (1.1 ms), where the arena alone took 0.7 ms (2026-12-07, 18:00 UTC).
 PROBE_EVERY = 200
 SWITCH_MARGIN = 0.9
+#: A trial whose challenger's best took CLEAR_LOSS times the incumbent's or more doubles the
+#: calls until the next trial, up to PROBE_EVERY_MAX; any other outcome brings them back to
+#: PROBE_EVERY.  A trial costs its challenger's calls, which is what a clear loser's calls
+#: cost: 4 ranks on 2 cores, 2026-12-07, 6 rounds of 300 calls in turn in the same
+#: processes, cross-memory attach / the arena at 128 KiB 1.78-2.37x, and the calls that
+#: tried both every 200 calls took 1.07x (median; 0.74-1.56x) the time of the arena's alone.
+CLEAR_LOSS = 1.5
+PROBE_EVERY_MAX = 16 * PROBE_EVERY
 TRIAL_RUN_CALLS = 4
 TRIAL_WARM_CALLS = 2
 TRIAL_RUNS = 4
@@ -175,7 +183,7 @@ class _Ways:
     rank 0 times.  Two shapes whose numbers share a slot may overwrite each other's word: the
     number in it tells, and the overwritten shape keeps its way (everywhere alike).  No lock:
     only the call that holds the arena's turn (:meth:`Hierarchy.in_turn`) reads or changes it."""
-    __slots__ = ("ident", "plans", "way", "taken", "since", "times", "trial", "incumbent", "timed")
+    __slots__ = ("ident", "plans", "way", "taken", "since", "every", "times", "trial", "incumbent", "timed")
 
     def __init__(self, ident: int, way: int):
         self.ident = ident  # this shape's number, the same on every local rank (shapes are prepared in call order)
@@ -183,6 +191,7 @@ class _Ways:
         self.way = way  # 0: the arena, 1: cross-memory attach
         self.taken = [0, 0]  # this shape's calls each way
         self.since = PROBE_EVERY - FIRST_TRIAL_AFTER  # local rank 0: calls since the last trial
+        self.every = PROBE_EVERY  # local rank 0: calls from one trial to the next (CLEAR_LOSS)
         self.times: tuple[list[float], list[float]] = ([], [])  # local rank 0: each way's times in the trial
         self.trial = 0  # local rank 0: this call's number in the trial under way (0: none)
         self.incumbent = way  # local rank 0: the way the calls took before it
@@ -402,11 +411,12 @@ class Hierarchy:
         A trial's calls 1 to TRIAL_RUNS x TRIAL_RUN_CALLS take the other way and this one in
         turn, a run of TRIAL_RUN_CALLS at a time, all but each run's first TRIAL_WARM_CALLS
         timed; they end on this one, and the call after them, which sees every time, keeps the
-        calls here unless the other way's best was SWITCH_MARGIN of this one's."""
+        calls here unless the other way's best was SWITCH_MARGIN of this one's, and sets the
+        calls until the next trial (:data:`CLEAR_LOSS`)."""
         i = w.trial  # (this call's number in the trial, from 1)
         if not i:
             w.since += 1
-            if w.since >= PROBE_EVERY:
+            if w.since >= w.every:
                 w.since, w.incumbent, w.trial = 0, w.way, 1
                 for times in w.times:
                     times.clear()
@@ -419,10 +429,15 @@ class Hierarchy:
             if nxt != w.way:
                 self._tell(w, nxt)
             return
-        w.trial, w.timed = 0, False
+        w.trial, w.timed, every, w.every = 0, False, w.every, PROBE_EVERY
+        if not (w.times[0] and w.times[1]):  # (both timed, unless another shape's word took this one's slot)
+            return
         challenger = 1 - w.incumbent
-        if w.times[0] and w.times[1] and min(w.times[challenger]) < SWITCH_MARGIN * min(w.times[w.incumbent]):
-            self._tell(w, challenger)  # (both timed, unless another shape's word took this one's slot)
+        ratio = min(w.times[challenger]) / min(w.times[w.incumbent])
+        if ratio < SWITCH_MARGIN:
+            self._tell(w, challenger)
+        elif ratio >= CLEAR_LOSS:
+            w.every = min(2 * every, PROBE_EVERY_MAX)
 
     def _tell(self, w: _Ways, way: int) -> None:
         self.local.tell(w.ident % TOLD_SLOTS, w.ident << 1 | way)

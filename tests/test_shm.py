@@ -410,13 +410,16 @@ def test_trials_grow_apart_while_the_other_way_loses_clearly():
     n = sum(every << k for k in range(doublings + 1)) + 3 * most
 
     def gaps(per_way_s, calls=n):
-        starts = _trial_starts(_calls(per_way_s, calls)[1])
-        return [b - a for a, b in zip(starts, starts[1:])]
+        """The calls from each trial to the next, by the call the first starts at, and the
+        way the last call took."""
+        ways, timed = _calls(per_way_s, calls)
+        starts = _trial_starts(timed)
+        return {a: b - a for a, b in zip(starts, starts[1:])}, ways[-1]
 
-    close = gaps((hierarchy.CLEAR_LOSS * 0.99, 1.0))  # (a loss, not a clear one: trials stay PROBE_EVERY apart)
+    close = list(gaps((hierarchy.CLEAR_LOSS * 0.99, 1.0))[0].values())  # (a loss, not a clear one: trials stay PROBE_EVERY apart)
     assert len(set(close)) == 1
     trial = close[0] - every  # (a trial's own calls)
-    clear = gaps((hierarchy.CLEAR_LOSS, 1.0))  # (the arena, 0, clearly slower than cross-memory attach)
+    clear = list(gaps((hierarchy.CLEAR_LOSS, 1.0))[0].values())  # (the arena, 0, clearly slower than cross-memory attach)
     grown = [every << k for k in range(1, doublings + 1)] + [most] * 3
     assert clear == [trial + e for e in grown][:len(clear)] and len(clear) >= doublings + 2
     # clearly slower until call 2000, then only a little: the next trial comes PROBE_EVERY later again
@@ -425,16 +428,15 @@ def test_trials_grow_apart_while_the_other_way_loses_clearly():
     def costs(call):
         return (2.0 if call < turn else 1.2, 1.0)
 
-    starts = _trial_starts(_calls(costs, 4000)[1])
-    after = [b - a for a, b in zip(starts, starts[1:]) if a > turn]
-    assert max(gaps(costs, 4000)) > close[0] and after and set(after) == {close[0]}
+    apart, _ = gaps(costs, 4000)
+    after = [g for a, g in apart.items() if a > turn]
+    assert max(apart.values()) > close[0] and after and set(after) == {close[0]}
 
     # and a switch after clear losses (the arena clearly slower until call 2000, then 20% faster:
     # cross-memory attach then loses, not clearly)
     def flip(call):
         return (2.0 if call < turn else 0.8, 1.0)
 
-    ways, timed = _calls(flip, 4000)
-    starts = _trial_starts(timed)
-    after = [b - a for a, b in zip(starts, starts[1:]) if a > turn]
-    assert ways[-1] == 0 and max(gaps(flip, 4000)) > close[0] and after and set(after) == {close[0]}
+    apart, last_way = gaps(flip, 4000)
+    after = [g for a, g in apart.items() if a > turn]
+    assert last_way == 0 and max(apart.values()) > close[0] and after and set(after) == {close[0]}

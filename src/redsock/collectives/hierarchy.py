@@ -124,8 +124,9 @@ SHARED_RESULT_MAX_BYTES = 4 * KiB
 #: (:meth:`Hierarchy._choose_way`): every PROBE_EVERY calls a trial takes the two ways in
 #: turn, TRIAL_RUN_CALLS calls at a time, TRIAL_RUNS runs (the other way first, this one
 #: last); the first TRIAL_WARM_CALLS calls of each run pay for what the other way left (the
-#: arena's regions, cold after the other way's calls) and only the later ones are timed, and the calls move to the other way if its best is SWITCH_MARGIN of
-#: this one's.  In turn, because the machine's speed changes by more than the ways differ: a
+#: arena's regions, cold after the other way's calls) and only the later ones are timed, and
+#: the calls move to the other way if its best is SWITCH_MARGIN of this one's (the next trial
+#: comes later while the other way loses clearly: CLEAR_LOSS).  In turn, because the machine's speed changes by more than the ways differ: a
 #: way tried after the other (best of 2 against the other's last 2) met another moment, the
 #: slower way took 7-37% of the calls at 256 KiB-2 MiB, and the calls through the API took
 #: 1.17-1.61x the time of the faster way alone (2026-12-07, 4 ranks, rounds in turn in the
@@ -429,7 +430,8 @@ class Hierarchy:
             if nxt != w.way:
                 self._tell(w, nxt)
             return
-        w.trial, w.timed, every, w.every = 0, False, w.every, PROBE_EVERY
+        w.trial, w.timed = 0, False
+        every, w.every = w.every, PROBE_EVERY  # (back to PROBE_EVERY but after a clear loss)
         if not (w.times[0] and w.times[1]):  # (both timed, unless another shape's word took this one's slot)
             return
         challenger = 1 - w.incumbent
